@@ -1,0 +1,36 @@
+"""effectfx: capture PyTorch programs into FX graphs with reusable regions and effect tokens.
+
+The model is written once, in ``effectfx.notes`` (Note [Effect tokens], Note [Region identity],
+Note [Joint trace]).
+"""
+
+from __future__ import annotations
+
+from . import ops
+from .capture.capture import capture
+from .effects import effect_of, register_effect
+from .errors import (
+    BackendError,
+    CaptureError,
+    DataDependentControlFlowError,
+    EffectfxError,
+    FreeTensorError,
+    MissingFakeImplError,
+    RegionEffectsChangedError,
+    RegionRecursionError,
+    RegistryError,
+    SignatureMismatchError,
+    UnsupportedMutationError,
+    UnsupportedReturnError,
+    VerificationError,
+)
+from .regions import region
+from .runtime.program import Program, TrainingProgram
+
+__all__ = [
+    "BackendError", "CaptureError", "DataDependentControlFlowError", "EffectfxError", "FreeTensorError",
+    "MissingFakeImplError", "Program", "RegionEffectsChangedError", "RegionRecursionError",
+    "RegistryError", "SignatureMismatchError", "TrainingProgram", "UnsupportedMutationError",
+    "UnsupportedReturnError", "VerificationError", "capture", "effect_of", "ops", "region",
+    "register_effect",
+]

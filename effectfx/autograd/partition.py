@@ -1,0 +1,78 @@
+"""Split a joint forward+backward graph by phase (see Note [Joint trace] in effectfx.notes).
+
+Contract: requires a graph whose nodes carry ``meta["phase"]`` and whose output is
+``(*outs, *grads)``; gives a forward graph ``inputs -> (*outs, *saved)`` and a backward graph
+``(*saved, *tangents) -> grads``, where ``saved`` are exactly the forward values backward nodes read.
+Every effectful node survives, in the graph of its phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from ..passes.dce import is_effectful
+
+
+@dataclass
+class Partition:
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    saved: list[fx.Node]  # forward-phase nodes of the joint graph, in forward order
+
+
+def _is_backward(node: fx.Node) -> bool:
+    return node.meta.get("phase") == "backward" and not (
+        node.op == "placeholder" and not node.meta.get("tangent")
+    )
+
+
+def _live(roots: list[fx.Node], inside: set[fx.Node]) -> set[fx.Node]:
+    live: set[fx.Node] = set()
+    stack = [n for n in roots if n in inside]
+    while stack:
+        node = stack.pop()
+        if node in live:
+            continue
+        live.add(node)
+        stack.extend(n for n in node.all_input_nodes if n in inside)
+    return live
+
+
+def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+
+
+def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
+    nodes = list(joint.graph.nodes)
+    output = nodes[-1]
+    results = list(output.args[0])
+    outs, grads = results[:n_outs], results[n_outs:]
+    backward = {n for n in nodes[:-1] if _is_backward(n)}
+    forward = {n for n in nodes[:-1] if n not in backward}
+
+    live_bwd = _live([g for g in grads if g is not None] + [n for n in backward if is_effectful(n)], backward)
+    saved_set = {i for n in live_bwd for i in n.all_input_nodes if i in forward}
+    saved = [n for n in nodes if n in saved_set]
+    live_fwd = _live(outs + saved + [n for n in forward if is_effectful(n)], forward)
+
+    fwd_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    _copy(fwd_graph, [n for n in nodes if n in live_fwd or (n.op == "placeholder" and n in forward)], env)
+    fwd_graph.output((*[env[n] for n in outs], *[env[n] for n in saved]))
+
+    bwd_graph = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for node in saved:
+        ph = bwd_graph.placeholder(node.name)
+        ph.meta.update(node.meta)
+        ph.meta["phase"] = "backward"
+        benv[node] = ph
+    tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
+    _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents], benv)
+    bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
+    return Partition(
+        fx.GraphModule(joint, fwd_graph, "Forward"), fx.GraphModule(joint, bwd_graph, "Backward"), saved
+    )

@@ -1,0 +1,1 @@
+"""Capture: tracing PyTorch programs into aten-level FX graphs with region subgraphs."""

@@ -1,0 +1,105 @@
+"""efx.capture: trace a function (or module) into a Program (forms in ../shared DESIGN §2)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from itertools import chain
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import regions as _regions
+from ..runtime.printing import subgraphs
+from ..runtime.program import InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+from .meta import OperandSource, TensorMeta
+from .region_call import _leaf_names
+from .trace import Scope, trace_graph
+from .tracer import Tracer
+
+
+@contextlib.contextmanager
+def _active(tracer: Tracer) -> Iterator[None]:
+    previous = _regions.active_tracer()
+    _regions._ACTIVE.tracer = tracer
+    try:
+        with tracer.fake_mode, tracer:
+            yield
+    finally:
+        _regions._ACTIVE.tracer = previous
+
+
+def _param_names(fn: Any) -> dict[int, str]:
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    return {id(t): name for name, t in chain(module.named_parameters(), module.named_buffers())}
+
+
+def _regions_of(gm: fx.GraphModule, tracer: Tracer) -> dict[str, RegionEntry]:
+    found = {}
+    for _, identifier, body in subgraphs(gm):
+        region = body.meta["effectfx_region"][0]
+        found[identifier] = RegionEntry(region.name, tracer.trace_counts.get(identifier, 0))
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
+
+
+def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program | TrainingProgram:
+    """Trace ``fn(*args, **kwargs)`` into the captured form (1); joint + partitioned under autograd."""
+    start = time.perf_counter()
+    tracer = Tracer()
+    leaves, spec = tree_flatten((args, kwargs))
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    names = _leaf_names(target, args, kwargs)
+    scope = Scope(tracer, "root", param_names=_param_names(fn))
+    with _active(tracer):
+        new_leaves = list(leaves)
+        with tracer.graph(scope.builder):
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    fake = tracer.to_fake(leaf)
+                    scope.add_input(names[i], OperandSource("arg", i), fake, fake)
+                    new_leaves[i] = fake
+        call_args, call_kwargs = tree_unflatten(new_leaves, spec)
+        traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root")
+
+    n_user = sum(1 for s in traced.sources if s.kind == "arg")
+    signature = InputSignature(
+        spec,
+        tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta) if s.kind == "arg"),
+        tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)),
+    )
+    lifted = tuple(s.tensor for s in traced.sources[n_user:])
+    record = (PassRecord("capture", time.perf_counter() - start),)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    forward = Program(
+        traced.forward, signature, lifted, traced.out_spec, tuple(traced.out_layout),
+        regions=_regions_of(traced.forward, tracer), history=record,
+        n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
+    )
+    if traced.backward is None:
+        return forward
+    n_tangents = sum(traced.tangent_mask)
+    backward = Program(
+        traced.backward,
+        InputSignature(tree_flatten([None] * (len(traced.saved_meta) + n_tangents))[1], (), ()),
+        (), tree_flatten([None] * len(traced.grad_meta))[1],
+        tuple(("tensor", i) for i in range(len(traced.grad_meta))),
+        regions=_regions_of(traced.backward, tracer), history=record, name=f"{name} (backward)",
+    )
+    return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask)
+
+
+def capture(fn: Callable[..., Any], *args: Any, functionalize: bool = True,
+            **kwargs: Any) -> Program | TrainingProgram:
+    """Capture ``fn(*args, **kwargs)``: the functionalized form, or the captured form if
+    ``functionalize=False``.  Returns a TrainingProgram when outputs require grad."""
+    from ..functionalize import thread_tokens
+    from ..passes.pipeline import run_passes
+
+    prog = trace_program(fn, args, kwargs)
+    if not functionalize:
+        return prog
+    return run_passes(prog, [thread_tokens])

@@ -1,0 +1,68 @@
+"""Plain records of a trace: tensor metadata, operand sources, and what one traced graph returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import TreeSpec
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+
+    def short(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}{list(self.shape)}" + ("(grad)" if self.requires_grad else "")
+
+
+@dataclass(frozen=True)
+class OperandSource:
+    """Where a graph input comes from at a call site (Note [Region identity]).
+
+    kind "arg": the tensor leaf ``index`` of the flattened (args, kwargs);
+    kind "module": parameter/buffer ``name`` of the nn.Module at leaf ``index``;
+    kind "lifted": the real tensor ``tensor`` itself (globals, closed-over constants, parameters read
+    from the root function).
+    """
+
+    kind: str
+    index: int = -1
+    name: str = ""
+    tensor: Any = field(default=None, compare=False)
+
+
+@dataclass
+class TracedGraph:
+    """One traced graph (the root or a region body), partitioned when it was traced jointly.
+
+    ``forward`` maps inputs to ``(*tensor outputs, *saved)``; ``backward`` maps ``(*saved, *tangents)``
+    to one gradient per input whose ``grad_mask`` is set (None where no gradient flows).
+    """
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    sources: list[OperandSource]
+    input_meta: list[TensorMeta]
+    out_spec: TreeSpec
+    out_layout: list[tuple[str, Any]]  # per output leaf: ("tensor", k) or ("const", value)
+    out_meta: list[TensorMeta]
+    saved_meta: list[TensorMeta] = field(default_factory=list)
+    tangent_mask: tuple[bool, ...] = ()
+    grad_mask: tuple[bool, ...] = ()
+    grad_meta: list[TensorMeta | None] = field(default_factory=list)  # per backward output
+
+    @property
+    def n_outs(self) -> int:
+        return len(self.out_meta)

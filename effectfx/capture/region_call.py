@@ -1,0 +1,207 @@
+"""What happens when a region is called during capture (Note [Region identity], Note [Joint trace]).
+
+The first call with a new cache key traces a body; every call then emits
+``invoke_subgraph(subgraph, identifier, *operands)``.  Under autograd the call goes through
+:class:`RegionCall`, whose backward emits the call of the body's backward subgraph.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from .. import ops
+from ..errors import RegionRecursionError
+from ..regions import Region
+from .meta import OperandSource, TensorMeta, TracedGraph
+from .source import user_location
+from .trace import Scope, trace_graph
+from .tracer import Tracer
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass
+class RegionBody:
+    """One traced body of a region: the region cache entry behind an identifier."""
+
+    identifier: str
+    region: Region
+    key: Any
+    traced: TracedGraph
+    attr: str  # attribute name of its forward subgraph in calling graphs
+
+    @property
+    def backward_attr(self) -> str:
+        return self.attr + "_backward"
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _module_state(module: torch.nn.Module) -> tuple:
+    """Everything about a module that can change a trace, except its identity (Note [Region identity])."""
+    parts: list[Any] = []
+    for prefix, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_") and _plain(v)))
+        parts.append((prefix, type(sub), attrs))
+    tensors = tuple(
+        (name, TensorMeta.of(t)) for name, t in chain(module.named_parameters(), module.named_buffers())
+    )
+    return (tuple(parts), tensors)
+
+
+def cache_key(leaves: list[Any], spec: Any) -> tuple:
+    parts: list[Any] = [torch.is_grad_enabled(), spec]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(TensorMeta.of(leaf))
+        elif isinstance(leaf, torch.nn.Module):
+            parts.append(_module_state(leaf))
+        else:
+            try:
+                hash(leaf)
+                parts.append((type(leaf), leaf))
+            except TypeError:
+                parts.append(("object", id(leaf)))
+    return tuple(parts)
+
+
+def _leaf_names(fn: Any, args: tuple, kwargs: dict) -> list[str]:
+    try:
+        positional = [
+            p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        positional = []
+    names = []
+    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
+        head = path[1]
+        if path[0].idx == 0:
+            base = positional[head.idx] if head.idx < len(positional) else f"arg{head.idx}"
+        else:
+            base = str(head.key)
+        rest = "_".join(str(getattr(p, "idx", getattr(p, "key", ""))) for p in path[2:])
+        names.append(f"{base}_{rest}" if rest else base)
+    return names
+
+
+def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    return functools.reduce(getattr, name.split("."), module)
+
+
+def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr: str,
+                operands: list[Any], metas: list[TensorMeta | None]) -> list[Any]:
+    """Emit ``invoke_subgraph`` in the current graph and return fresh fakes for its results."""
+    builder = tracer.builder
+    nodes = [builder.node_of(tracer.to_fake(v)) for v in operands]
+    call = builder.call(ops.invoke_subgraph, (builder.get_attr(subgraph, attr), identifier, *nodes))
+    results: list[Any] = []
+    for i, meta in enumerate(metas):
+        if meta is None:
+            results.append(None)
+            continue
+        fake = tracer.new_fake(TensorMeta(meta.shape, meta.stride, meta.dtype, meta.device, False))
+        builder.bind(fake, builder.call(operator.getitem, (call, i)))
+        results.append(fake)
+    return results
+
+
+class RegionCall(torch.autograd.Function):
+    """A region call under autograd: forward emits the forward body, backward the backward body."""
+
+    @staticmethod
+    def forward(ctx: Any, tracer: Tracer, body: RegionBody, *operands: Any) -> tuple:  # type: ignore[override]
+        traced = body.traced
+        results = emit_invoke(tracer, traced.forward, body.identifier, body.attr, list(operands),
+                              [*traced.out_meta, *traced.saved_meta])
+        outs = results[: traced.n_outs]
+        ctx.tracer, ctx.body, ctx.saved = tracer, body, results[traced.n_outs:]
+        ctx.mark_non_differentiable(*[o for o, m in zip(outs, traced.tangent_mask) if not m])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:  # type: ignore[override]
+        body: RegionBody = ctx.body
+        traced = body.traced
+        tangents = [g for g, m in zip(grads, traced.tangent_mask) if m]
+        assert traced.backward is not None
+        results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
+                              [*ctx.saved, *tangents], traced.grad_meta)
+        it = iter(results)
+        return (None, None, *[next(it) if m else None for m in traced.grad_mask])
+
+
+def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> Any:
+    if any(r is region for r in tracer.region_stack):
+        chain_names = " -> ".join(r.name for r in (*tracer.region_stack, region))
+        raise RegionRecursionError(
+            f"region {region.name!r} calls itself ({chain_names}) at {user_location()}.\n"
+            "A region's body must be finite to trace once; unroll the recursion or remove @region "
+            "from the recursive function."
+        )
+    leaves, spec = tree_flatten((args, kwargs))
+    key = cache_key(leaves, spec)
+    body = tracer.bodies.get((region, key))
+    if body is None:
+        body = _trace_body(tracer, region, key, leaves, spec, args, kwargs)
+    tracer.region_calls[body.identifier] = tracer.region_calls.get(body.identifier, 0) + 1
+    traced = body.traced
+    operands: list[Any] = []
+    for src in traced.sources:
+        if src.kind == "arg":
+            operands.append(leaves[src.index])
+        elif src.kind == "module":
+            operands.append(_module_tensor(leaves[src.index], src.name))
+        else:
+            operands.append(src.tensor)
+    if traced.backward is not None:
+        outs = list(RegionCall.apply(tracer, body, *operands))
+    else:
+        outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
+    out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
+    return tree_unflatten(out_leaves, traced.out_spec)
+
+
+def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,
+                args: tuple, kwargs: dict) -> RegionBody:
+    identifier = tracer.next_identifier()
+    module_params: dict[int, tuple[int, str]] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.nn.Module):
+            for name, t in chain(leaf.named_parameters(), leaf.named_buffers()):
+                module_params.setdefault(id(t), (i, name))
+    scope = Scope(tracer, region.name, region, module_params)
+    names = _leaf_names(region.fn, args, kwargs)
+    new_leaves = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            fake = tracer.new_fake(TensorMeta.of(leaf))
+            scope.add_input(names[i], OperandSource("arg", i), fake, fake)
+            new_leaves[i] = fake
+    body_args, body_kwargs = tree_unflatten(new_leaves, spec)
+    tracer.region_stack.append(region)
+    try:
+        traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
+                             f"region {region.name!r}", region.name)
+    finally:
+        tracer.region_stack.pop()
+    traced.forward.meta["effectfx_region"] = (region, key, identifier, "forward")
+    if traced.backward is not None:
+        traced.backward.meta["effectfx_region"] = (region, key, identifier, "backward")
+    body = RegionBody(identifier, region, key, traced, f"{region.name}_{identifier.replace('_', '')}")
+    tracer.bodies[(region, key)] = body
+    tracer.trace_counts[identifier] = tracer.trace_counts.get(identifier, 0) + 1
+    return body

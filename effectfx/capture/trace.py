@@ -1,0 +1,134 @@
+"""Trace one graph -- the root function or one region body -- jointly with its backward when needed.
+
+See Note [Joint trace] and Note [Region identity] in effectfx.notes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from ..autograd.partition import partition_joint
+from ..errors import CaptureError, FreeTensorError, UnsupportedReturnError
+from ..passes.dce import eliminate_dead_code
+from .graph_builder import GraphBuilder
+from .meta import OperandSource, TensorMeta, TracedGraph
+from .source import user_location
+from .tracer import Tracer
+
+_CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
+
+
+def placeholder_name(name: str) -> str:
+    return re.sub(r"\W", "_", name).strip("_") or "arg"
+
+
+class Scope:
+    """The inputs of one graph: explicit ones first, then tensors lifted while tracing."""
+
+    def __init__(self, tracer: Tracer, name: str, region: Any = None,
+                 module_params: dict[int, tuple[int, str]] | None = None,
+                 param_names: dict[int, str] | None = None) -> None:
+        self.tracer = tracer
+        self.region = region
+        self.module_params = module_params or {}
+        self.param_names = param_names or {}
+        self.sources: list[OperandSource] = []
+        self.values: list[torch.Tensor] = []  # autograd-level value of each input
+        self.builder = GraphBuilder(name, self.lift)
+
+    def add_input(self, name: str, source: OperandSource, value: torch.Tensor, fake: torch.Tensor) -> None:
+        self.builder.placeholder(placeholder_name(name), fake)
+        self.sources.append(source)
+        self.values.append(value)
+
+    def lift(self, fake: torch.Tensor) -> fx.Node | None:
+        real = self.tracer.real_of.get(id(fake))
+        if real is None:
+            if self.region is None:
+                raise CaptureError(
+                    f"the captured function read a tensor that belongs to another capture "
+                    f"(at {user_location()}); pass it as an argument instead."
+                )
+            raise FreeTensorError(
+                f"region {self.region.name!r} reads a tensor computed by its caller that is not one of its "
+                f"arguments (at {user_location()}).\nA reused body would silently see a stale value. Pass "
+                "the tensor to the region as an argument."
+            )
+        where = self.module_params.get(id(real))
+        if where is not None:
+            source = OperandSource("module", where[0], where[1])
+            name = where[1]
+        else:
+            source = OperandSource("lifted", tensor=real)
+            name = self.param_names.get(id(real), "lifted")
+        self.builder.placeholder(placeholder_name(name), fake)
+        self.sources.append(source)
+        self.values.append(real)
+        return self.builder.values[id(fake)]
+
+
+def _flatten_outputs(out: Any, where: str) -> tuple[Any, list[tuple[str, Any]], list[torch.Tensor]]:
+    leaves, spec = tree_flatten(out)
+    layout: list[tuple[str, Any]] = []
+    tensors: list[torch.Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            layout.append(("tensor", len(tensors)))
+            tensors.append(leaf)
+        elif isinstance(leaf, _CONSTANT_TYPES):
+            layout.append(("const", leaf))
+        else:
+            raise UnsupportedReturnError(
+                f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}); effectfx graphs can return "
+                "tensors, numbers, strings and None inside tuples, lists and dicts. Return tensors (or "
+                "a pytree of them) and build other objects outside."
+            )
+    return spec, layout, tensors
+
+
+def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: str) -> TracedGraph:
+    """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph."""
+    tracer, builder = scope.tracer, scope.builder
+    with tracer.graph(builder):
+        out = run()
+        spec, layout, tensors = _flatten_outputs(out, where)
+        out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]
+        out_meta = [TensorMeta.of(t) for t in tensors]
+        tangent_mask = tuple(t.requires_grad for t in tensors)
+        input_meta = [TensorMeta.of(v) for v in scope.values]
+        if not (torch.is_grad_enabled() and any(tangent_mask)):
+            gm = builder.finish(out_nodes, class_name)
+            eliminate_dead_code(gm.graph)
+            gm.recompile()
+            return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta)
+
+        builder.phase = "backward"
+        diff_outs = [t for t in tensors if t.requires_grad]
+        tangents = []
+        for i, t in enumerate(diff_outs):
+            meta = TensorMeta.of(t)
+            tangent = tracer.new_fake(TensorMeta(meta.shape, meta.stride, meta.dtype, meta.device, False))
+            builder.placeholder(f"tangent_{i}", tangent).meta["tangent"] = True
+            tangents.append(tangent)
+        n_inputs = len(scope.values)
+        wrt = [v for v in scope.values if v.requires_grad]
+        grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
+        grad_nodes = [builder.node_of(tracer.to_fake(g)) if g is not None else None for g in grads]
+        joint = builder.finish((*out_nodes, *grad_nodes), class_name)
+    # inputs lifted while tracing backward are forward inputs too; they never receive a gradient
+    grad_mask = tuple(v.requires_grad for v in scope.values[:n_inputs]) + (False,) * (
+        len(scope.values) - n_inputs
+    )
+    input_meta = [TensorMeta.of(v) for v in scope.values]
+    part = partition_joint(joint, len(out_nodes))
+    return TracedGraph(
+        part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,
+        saved_meta=[TensorMeta.of(n.meta["val"]) for n in part.saved],
+        tangent_mask=tangent_mask, grad_mask=grad_mask,
+        grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],
+    )

@@ -1,0 +1,218 @@
+"""The tracer: a dispatch mode above FakeTensorMode that records aten ops into the current graph.
+
+Capture never runs an effectful op and never computes on real data: every tensor that reaches the
+dispatcher is swapped for its fake, and effectful ops only run their fake implementation.  In-place ops on
+intermediates are recorded as their functional variant (the mutated tensor is rebound to the result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..effects import effect_of
+from ..errors import (
+    CaptureError,
+    DataDependentControlFlowError,
+    EffectfxError,
+    MissingFakeImplError,
+    UnsupportedMutationError,
+)
+from .graph_builder import GraphBuilder
+from .source import user_location
+
+aten = torch.ops.aten
+
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default,
+    aten.item.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+}
+
+
+def _mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    mutated = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            mutated.append((arg.name, value))
+    return mutated
+
+
+def _functional_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    name = func._schema.name.split("::")[1]
+    if func.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, func._overloadname, None) if packet is not None else None
+
+
+class Tracer(TorchDispatchMode):
+    """Records every aten op into the innermost :class:`GraphBuilder` on ``self.builders``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fake_mode = FakeTensorMode()
+        self.builders: list[GraphBuilder] = []
+        self.region_stack: list[Any] = []
+        self.real_of: dict[int, torch.Tensor] = {}
+        self.recording = True
+        self.viewed: set[int] = set()
+        self.bodies: dict[Any, Any] = {}  # (region, cache key) -> RegionBody: the region cache
+        self.trace_counts: dict[str, int] = {}
+        self.region_calls: dict[str, int] = {}
+        self._identifiers = 0
+
+    def next_identifier(self) -> str:
+        """Identifiers are given in order of first trace (Note [Region identity])."""
+        self._identifiers += 1
+        return f"subgraph_{self._identifiers - 1}"
+
+    def call_region(self, region: Any, args: tuple, kwargs: dict) -> Any:
+        from .region_call import call_region
+
+        return call_region(self, region, args, kwargs)
+
+    # -- tensors ---------------------------------------------------------------------------------
+    @property
+    def builder(self) -> GraphBuilder:
+        return self.builders[-1]
+
+    def to_fake(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            return value
+        fake = self.fake_mode.from_tensor(value)
+        self.real_of[id(fake)] = value
+        self.builder.keepalive.append(fake)
+        return fake
+
+    def new_fake(self, meta: Any) -> torch.Tensor:
+        """A fresh fake tensor with the given TensorMeta, created without recording anything."""
+        with self.paused(), torch.no_grad():
+            t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+        if meta.requires_grad:
+            t.requires_grad_(True)
+        return t
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        previous, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = previous
+
+    @contextlib.contextmanager
+    def graph(self, builder: GraphBuilder) -> Iterator[GraphBuilder]:
+        self.builders.append(builder)
+        try:
+            yield builder
+        finally:
+            self.builders.pop()
+
+    def where(self) -> str:
+        names = " > ".join(r.name for r in self.region_stack)
+        return f"region {names!r}" if names else "the captured function"
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.recording:
+            return func(*args, **kwargs)
+        if func in _DATA_DEPENDENT:
+            raise DataDependentControlFlowError(
+                f"{self.where()} uses the value of a tensor in Python ({func}) at {user_location()}.\n"
+                "effectfx traces with fake tensors, so values are unknown during capture. Use tensor ops "
+                "instead of Python control flow (e.g. torch.where), or move the check outside the captured "
+                "function."
+            )
+        args, kwargs = tree_map(self.to_fake, (args, kwargs))
+        key = effect_of(func)
+        builder = self.builder
+        node_args, node_kwargs = tree_map(builder.node_of, (args, kwargs))
+        mutated = _mutated_args(func, args, kwargs) if func._schema.is_mutable else []
+        target = func
+        if mutated:
+            target = self._functionalize(func, mutated, key)
+        out = self._run_fake(func, args, kwargs, key)
+        out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if key is None and not out_tensors:
+            return out  # metadata queries (prim.device, sym_size, ...): constants in a static trace
+        node = builder.call(target, node_args, node_kwargs)
+        if key is not None:
+            node.meta["effect_key"] = key
+            node.meta["location"] = user_location()
+        self._bind_outputs(out, node, mutated)
+        if getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
+            self.viewed.add(id(args[0]))
+        return out
+
+    def _functionalize(self, func: Any, mutated: list[tuple[str, Any]], key: str | None) -> Any:
+        functional = _functional_variant(func)
+        for name, tensor in mutated:
+            node = self.builder.values.get(id(tensor))
+            problem = None
+            if key is not None:
+                problem = "an effectful op that mutates its arguments"
+            elif node is None or node.op == "placeholder":
+                problem = f"an in-place op ({func}) on an input of the graph (argument {name!r})"
+            elif tensor._is_view() or id(tensor) in self.viewed:
+                problem = f"an in-place op ({func}) on a tensor that has views"
+            elif functional is None or len(mutated) != 1 or name != func._schema.arguments[0].name:
+                problem = f"an op ({func}) that writes into its argument {name!r}"
+            if problem:
+                raise UnsupportedMutationError(
+                    f"{self.where()} contains {problem} at {user_location()}.\n"
+                    "effectfx functionalizes in-place ops only on intermediates without aliases. Use the "
+                    "out-of-place op (e.g. x = x + y instead of x.add_(y)) or clone() the input first."
+                )
+        return functional
+
+    def _run_fake(self, func: Any, args: tuple, kwargs: dict, key: str | None) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except EffectfxError:
+            raise
+        except Exception as exc:  # turn torch's internal failures into errors that name the op
+            text = str(exc)
+            if "fake impl" in text or "meta" in text.lower() and "kernel" in text.lower():
+                raise MissingFakeImplError(
+                    f"{func} has no fake implementation, so effectfx cannot trace it without running it "
+                    f"(called from {self.where()} at {user_location()}).\nRegister one with "
+                    f"@<op>.register_fake (torch.library.register_fake('{func._schema.name}'))."
+                ) from exc
+            if "data-dependent" in text or "DynamicOutputShape" in type(exc).__name__:
+                raise DataDependentControlFlowError(
+                    f"{func} in {self.where()} has an output whose shape depends on tensor values "
+                    f"(at {user_location()}); effectfx captures static shapes only."
+                ) from exc
+            raise CaptureError(
+                f"effectfx could not trace {func} in {self.where()} at {user_location()}: "
+                f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            ) from exc
+
+    def _bind_outputs(self, out: Any, node: fx.Node, mutated: list[tuple[str, Any]]) -> None:
+        builder = self.builder
+        if mutated:
+            builder.bind(mutated[0][1], node)
+            if isinstance(out, torch.Tensor) and out is not mutated[0][1]:
+                builder.bind(out, node)
+            return
+        if isinstance(out, torch.Tensor):
+            builder.bind(out, node)
+            return
+        if isinstance(out, (tuple, list)):
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    builder.bind(item, builder.call(operator.getitem, (node, i)))
+            node.meta["val"] = tuple(out)

@@ -1,0 +1,164 @@
+"""The effect registry: the one source of truth for "is this op effectful, and on which key?".
+
+See Note [Effect tokens] in ``effectfx.notes``.  Every pass (functionalization, DCE, the verifier, token
+removal) asks :func:`effect_of`; nothing else decides.  Ops that PyTorch itself marks ORDERED (for example
+``aten::_print``) are effectful with key ``"ordered"`` unless registered here with another key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch._library.custom_ops import CustomOpDef
+
+from .errors import RegistryError
+
+DEFAULT_KEY = "ordered"
+_KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]*$")
+
+OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket, CustomOpDef, str]
+
+# qualified op name ("ns::name") -> effect key.  Keyed by packet name: all overloads share the key.
+_REGISTRY: dict[str, str] = {}
+
+
+@dataclass
+class EffectHandle:
+    """Returned by :func:`register_effect`; ``remove()`` restores what was there before."""
+
+    qualname: str
+    previous: str | None
+    _removed: bool = False
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        if self.previous is None:
+            _REGISTRY.pop(self.qualname, None)
+        else:
+            _REGISTRY[self.qualname] = self.previous
+
+
+def _qualname(op: Any) -> str:
+    if isinstance(op, CustomOpDef):
+        return op._qualname
+    if isinstance(op, torch._ops.OpOverload):
+        return op._schema.name
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    if isinstance(op, str):
+        name = op.split(".")[0] if "::" in op else op
+        if "::" not in name:
+            raise RegistryError(f"register_effect({op!r}): op names are written 'namespace::name'.")
+        return name
+    raise RegistryError(
+        f"register_effect({op!r}): expected an OpOverload, OpOverloadPacket, CustomOpDef or 'ns::name', "
+        f"got {type(op).__name__}. Define the op with torch.library.custom_op first."
+    )
+
+
+def _op_exists(qualname: str) -> bool:
+    ns, name = qualname.split("::", 1)
+    try:
+        getattr(getattr(torch.ops, ns), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def register_effect(op: OpLike, key: str = DEFAULT_KEY) -> EffectHandle:
+    """Mark ``op`` as effectful on ``key``: effectfx keeps its calls in order with the others of that key."""
+    if not isinstance(key, str) or not _KEY_PATTERN.match(key):
+        raise RegistryError(
+            f"register_effect: bad effect key {key!r}. A key is a non-empty string such as 'ordered', "
+            "'memory' or 'collective:tp' (letters, digits, '_', '.', ':', '-')."
+        )
+    qualname = _qualname(op)
+    if not _op_exists(qualname):
+        raise RegistryError(
+            f"register_effect: no operator {qualname!r} is defined. Define it with "
+            "torch.library.custom_op (or import the module that does) before registering its effect."
+        )
+    handle = EffectHandle(qualname, _REGISTRY.get(qualname))
+    _REGISTRY[qualname] = key
+    return handle
+
+
+def _torch_marks_ordered(qualname: str) -> bool:
+    from torch._higher_order_ops.effects import _get_effect
+
+    try:
+        return _get_effect(qualname) is not None
+    except Exception:  # ops torch's registry cannot resolve are not effectful to torch
+        return False
+
+
+_TORCH_CACHE: dict[str, bool] = {}
+
+
+def effect_of(op: Any) -> str | None:
+    """The effect key of ``op``, or ``None`` if it is pure.  Non-op callables are pure."""
+    if isinstance(op, torch._ops.OpOverload):
+        qualname = op._schema.name
+    elif isinstance(op, (torch._ops.OpOverloadPacket, CustomOpDef, str)):
+        try:
+            qualname = _qualname(op)
+        except RegistryError:
+            return None
+    else:
+        return None
+    key = _REGISTRY.get(qualname)
+    if key is not None:
+        return key
+    known = _TORCH_CACHE.get(qualname)
+    if known is None:
+        known = _TORCH_CACHE[qualname] = _torch_marks_ordered(qualname)
+    return DEFAULT_KEY if known else None
+
+
+def registered_effects() -> dict[str, str]:
+    """A copy of the explicit registrations (qualified name -> key)."""
+    return dict(_REGISTRY)
+
+
+# -- effects of graph nodes ----------------------------------------------------------------------
+# The questions DCE, partitioning and the verifier ask about FX nodes, answered from the registry.
+
+def node_effect_keys(node: Any) -> frozenset[str]:
+    """The effect keys a node performs: its op's key, or every key inside a region it calls."""
+    from . import ops
+
+    if node.op != "call_function":
+        return frozenset()
+    target = node.target
+    if target is ops.with_effects:
+        inner = node.args[1]
+        if inner is ops.invoke_subgraph:
+            return _body_keys(node, 2)
+        key = effect_of(inner)
+        return frozenset([key]) if key else frozenset()
+    if target is ops.invoke_subgraph:
+        return _body_keys(node, 0)
+    key = effect_of(target)
+    return frozenset([key]) if key else frozenset()
+
+
+def _body_keys(node: Any, attr_index: int) -> frozenset[str]:
+    attr = node.args[attr_index]
+    body = getattr(node.graph.owning_module, attr.target)
+    return graph_effect_keys(body)
+
+
+def graph_effect_keys(gm: Any) -> frozenset[str]:
+    """Every effect key performed by a graph module, its regions included (memoized on the module)."""
+    cached = gm.meta.get("effectfx_effect_keys")
+    if cached is None:
+        keys: set[str] = set()
+        for node in gm.graph.nodes:
+            keys |= node_effect_keys(node)
+        cached = gm.meta["effectfx_effect_keys"] = frozenset(keys)
+    return cached

@@ -1,0 +1,55 @@
+"""The exceptions effectfx raises: every one names the region/op, what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class EffectfxError(Exception):
+    """Base class of every error effectfx raises on purpose."""
+
+
+class RegistryError(EffectfxError, ValueError):
+    """``register_effect`` was given an unknown op or a bad key."""
+
+
+class CaptureError(EffectfxError):
+    """A program could not be captured."""
+
+
+class DataDependentControlFlowError(CaptureError):
+    """Python control flow (``if``, ``int()``, ``.item()``) on a tensor's value during capture."""
+
+
+class MissingFakeImplError(CaptureError):
+    """An effectful (or custom) op has no fake implementation, so it cannot be traced without running it."""
+
+
+class UnsupportedMutationError(CaptureError):
+    """An in-place op that effectfx cannot functionalize (input mutation, mutation of an aliased tensor)."""
+
+
+class UnsupportedReturnError(CaptureError):
+    """A captured function or region returned an object effectfx cannot represent in a graph."""
+
+
+class RegionRecursionError(CaptureError):
+    """A region called itself while being traced."""
+
+
+class FreeTensorError(CaptureError):
+    """A region read an intermediate tensor of its caller that is not one of its arguments."""
+
+
+class RegionEffectsChangedError(CaptureError):
+    """A region showed a different effect set on a later trace of the same cache key."""
+
+
+class SignatureMismatchError(EffectfxError, TypeError):
+    """A Program was called with inputs that do not match what it was captured for."""
+
+
+class VerificationError(EffectfxError):
+    """A graph broke an invariant of Note [Effect tokens]."""
+
+
+class BackendError(EffectfxError):
+    """A program cannot be handed to the requested backend."""

@@ -1,0 +1,54 @@
+"""The design notes of effectfx, written once and cited everywhere as ``Note [Name]``.
+
+Note [Effect tokens]
+~~~~~~~~~~~~~~~~~~~~
+An *effect key* is a string naming an ordered resource ("ordered", "memory", "stdout", ...).  The effect
+registry (``effectfx.effects``) is the one source of truth for which ops are effectful and with which key.
+A *token* is an empty tensor (``torch.empty(0)``) standing for "the state of that resource so far".
+
+Calling convention of the functionalized form:
+  * an effectful op ``op(*args)`` becomes ``with_effects(token, op, *args) -> (new_token, *outs)``;
+  * a graph that has effects takes one token per key it touches and returns the final token of each:
+    the root is ``(*tokens, *inputs) -> (*tokens, *outputs)``, a region subgraph is
+    ``(*tokens, *operands) -> (*tokens, *outs)``;
+  * token positions follow the *sorted* order of the keys, in every graph, so signatures are deterministic;
+  * per key, tokens form one linear chain: every token value is consumed at most once.
+Effects on different keys are unordered with respect to each other; the default runtime still runs nodes in
+capture order, so its effect log equals eager's exactly.
+
+The unlifted form keeps the chain but not the boundary: each graph makes its tokens with ``make_token()``
+and keeps its last ones alive with ``sink_tokens([...])``; a call of an effectful region is itself wrapped
+as ``with_effects(token, invoke_subgraph, subgraph, identifier, *operands)``.  The token-free form drops
+tokens entirely and relies on node order plus the impurity of effectful nodes.
+
+Note [Region identity]
+~~~~~~~~~~~~~~~~~~~~~~
+A region (``@effectfx.region``) is traced once per *cache key* and then called through
+``invoke_subgraph(subgraph, identifier, *operands)``.  The cache key is everything that can change the
+trace: the metadata (shape, stride, dtype, device, requires_grad) of every tensor argument, the value of
+every non-tensor argument, grad mode, and for module methods the module's class, the metadata of its
+parameters and buffers (by name) and its plain attributes (``training`` and friends).  Identifiers
+``subgraph_0, subgraph_1, ...`` are given in order of first trace within one capture.
+
+Operands are the tensor arguments followed by *lifted* tensors: the module's parameters and buffers by
+name (so N blocks with different weights share one subgraph) and any other real tensor the body reads
+(by identity: globals and closed-over constants).  A body may not read an intermediate tensor of its
+caller that is not an argument -- a different call would silently see a stale value -- so that is an error.
+
+The effects of a body are discovered when it is functionalized: the tokens of every key before and after
+the body are compared, and each key whose token changed is an effect of the region.  The set is stored in
+the region cache under the identifier; the subgraph is then wrapped to take and return those tokens and
+every call site threads its current tokens through it.  Nested regions propagate their keys outwards.
+A region whose effect set differs on a later trace of the same cache key is an error, not a guess.
+
+Note [Joint trace]
+~~~~~~~~~~~~~~~~~~
+When outputs require grad, capture runs the forward, then ``torch.autograd.grad`` on the fake outputs,
+recording every node with its phase ("forward" or "backward").  The partitioner splits the joint graph by
+phase: forward nodes become the forward graph, which additionally returns the forward values backward
+nodes read (exactly what eager autograd saves), and backward nodes become the backward graph.  Regions
+are traced the same way (recursively), giving each body a forward and a backward subgraph; at the call
+site a ``RegionCall`` autograd function emits the forward call, and its ``backward`` emits the backward
+call when the enclosing trace runs its backward phase.  Forward effects therefore land in forward graphs
+only, and effects raised by autograd formulas land in backward graphs, in the engine's order.
+"""

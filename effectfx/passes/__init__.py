@@ -1,0 +1,1 @@
+"""Passes over Programs: each a named ``Program -> Program`` function with a one-line contract."""

@@ -1,0 +1,110 @@
+"""Regions: functions and module methods traced once and called many times.
+
+See Note [Region identity] in ``effectfx.notes`` for what makes two calls share a body.  Outside a capture
+a region is a plain call; inside one, the active tracer takes over the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, TypeVar, overload
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The tracer active on this thread (set by effectfx.capture); regions consult it on every call.
+_ACTIVE = threading.local()
+
+
+def active_tracer() -> Any:
+    return getattr(_ACTIVE, "tracer", None)
+
+
+class Region:
+    """One region: the user's function, its display name, and what its traces revealed so far."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "region")
+        # cache key -> effect keys seen when that key's body was functionalized (across captures)
+        self.known_effects: dict[Any, frozenset[str]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<effectfx region {self.name!r}>"
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        tracer = active_tracer()
+        if tracer is None:
+            return self.fn(*args, **kwargs)
+        return tracer.call_region(self, args, kwargs)
+
+
+@overload
+def region(fn: F) -> F: ...
+@overload
+def region(*, name: str | None = None) -> Callable[[F], F]: ...
+
+
+def region(fn: Any = None, *, name: str | None = None) -> Any:
+    """Mark a function or ``nn.Module`` method as a reusable region (Note [Region identity]).
+
+    ``@region``, ``@region(name="block")``.  In eager it is a plain call.
+    """
+
+    def wrap(f: F) -> F:
+        reg = Region(f, name)
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return reg.call(args, kwargs)
+
+        wrapper.__effectfx_region__ = reg  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    if fn is not None:
+        return wrap(fn)
+    return wrap
+
+
+def region_of(fn: Any) -> Region | None:
+    """The Region behind a decorated callable (bound methods included), else None."""
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__effectfx_region__", None)
+
+
+# torch.compiler.nested_compile_region marks functions by routing their calls through
+# invoke_subgraph_placeholder; during an effectfx capture those calls become effectfx regions.
+_NESTED_REGIONS: dict[Any, Region] = {}
+_NESTED_LOCK = threading.Lock()
+
+
+def _install_nested_compile_region_hook() -> None:
+    import importlib
+    import sys
+
+    importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+    ivs = sys.modules["torch._higher_order_ops.invoke_subgraph"]  # the package attribute is the HOP
+
+    original = ivs.invoke_subgraph_placeholder
+    if getattr(original, "__effectfx_hook__", False):
+        return
+
+    @functools.wraps(original)
+    def placeholder(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        tracer = active_tracer()
+        if tracer is None:
+            return original(func, *args, **kwargs)
+        with _NESTED_LOCK:
+            reg = _NESTED_REGIONS.get(func)
+            if reg is None:
+                reg = _NESTED_REGIONS[func] = Region(func)
+        return tracer.call_region(reg, args, kwargs)
+
+    placeholder.__effectfx_hook__ = True  # type: ignore[attr-defined]
+    ivs.invoke_subgraph_placeholder = placeholder
+
+
+_install_nested_compile_region_hook()
+
+__all__ = ["Region", "region", "region_of", "active_tracer"]

@@ -1,0 +1,1 @@
+"""Runtime: Programs that run captured graphs, and the compiled callable."""

@@ -1,0 +1,194 @@
+"""Programs: captured graphs together with their calling convention (Note [Effect tokens]).
+
+A :class:`Program` is one root graph (with its region subgraphs) plus how user arguments map to graph
+inputs and graph outputs to user results.  A :class:`TrainingProgram` pairs a forward and a backward
+Program and attaches their results to autograd.  Programs are immutable: passes return new ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from .. import ops
+from ..capture.meta import TensorMeta
+from ..errors import SignatureMismatchError
+from .printing import program_text, subgraphs
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What a program was captured for: the structure of (args, kwargs) and every leaf's identity."""
+
+    spec: TreeSpec
+    tensor_meta: tuple[tuple[int, TensorMeta], ...]  # (leaf index, metadata) of each tensor leaf
+    constants: tuple[tuple[int, Any], ...]  # (leaf index, value) of each non-tensor leaf
+
+    def bind(self, args: tuple, kwargs: dict, name: str) -> list[torch.Tensor]:
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec != self.spec:
+            raise SignatureMismatchError(
+                f"{name} was captured for arguments shaped like {self.spec}, got {spec}. Capture again "
+                "for these arguments, or use effectfx.compile, which re-captures when inputs change."
+            )
+        tensors = []
+        for index, meta in self.tensor_meta:
+            leaf = leaves[index]
+            if not isinstance(leaf, torch.Tensor) or (
+                tuple(leaf.shape) != meta.shape or leaf.dtype != meta.dtype or leaf.device != meta.device
+            ):
+                got = TensorMeta.of(leaf).short() if isinstance(leaf, torch.Tensor) else repr(leaf)
+                raise SignatureMismatchError(
+                    f"{name}: input {index} was captured as {meta.short()} but got {got}. Capture again "
+                    "for these inputs, or use effectfx.compile, which re-captures when inputs change."
+                )
+            tensors.append(leaf)
+        for index, value in self.constants:
+            if leaves[index] is not value and leaves[index] != value:
+                raise SignatureMismatchError(
+                    f"{name}: argument {index} was {value!r} when captured but is {leaves[index]!r} now; "
+                    "non-tensor arguments are baked into the graph. Capture again for the new value."
+                )
+        return tensors
+
+
+@dataclass(frozen=True)
+class RegionEntry:
+    """The region cache entry of one identifier: which region, how often traced, its effect keys."""
+
+    name: str
+    traces: int
+    effects: frozenset[str] | None = None  # known once the program has been functionalized
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Program:
+    graph_module: fx.GraphModule
+    signature: InputSignature
+    lifted: tuple[torch.Tensor, ...]  # real tensors read by identity, after the user's tensor inputs
+    out_spec: TreeSpec
+    out_layout: tuple[tuple[str, Any], ...]
+    form: str = "captured"
+    token_keys: tuple[str, ...] = ()  # tokens at the root's boundary (functionalized form only)
+    regions: dict[str, RegionEntry] = field(default_factory=dict)
+    history: tuple[PassRecord, ...] = ()
+    n_extra_outputs: int = 0  # trailing outputs not returned to the user (saved for backward)
+    name: str = "program"
+
+    # -- inspection ------------------------------------------------------------------------------
+    @property
+    def region_traces(self) -> dict[str, int]:
+        return {ident: entry.traces for ident, entry in self.regions.items()}
+
+    @property
+    def region_effects(self) -> dict[str, frozenset[str] | None]:
+        return {ident: entry.effects for ident, entry in self.regions.items()}
+
+    def subgraphs(self) -> dict[str, fx.GraphModule]:
+        """Region subgraphs by attribute name, each shared subgraph once."""
+        return {attr: gm for attr, _, gm in subgraphs(self.graph_module)}
+
+    def code(self) -> str:
+        return program_text(self.graph_module)
+
+    def __str__(self) -> str:
+        made = " -> ".join(f"{r.name} ({r.seconds * 1e3:.1f} ms)" for r in self.history) or "-"
+        header = f"# effectfx {self.name}, {self.form} form; made by: {made}"
+        if self.token_keys:
+            header += f"\n# tokens (in order): {', '.join(self.token_keys)}"
+        return header + "\n" + self.code()
+
+    __repr__ = __str__
+
+    def replace(self, **changes: Any) -> Program:
+        return dataclasses.replace(self, **changes)
+
+    # -- running ---------------------------------------------------------------------------------
+    def run_flat(self, tensors: list[Any]) -> list[Any]:
+        """Run the root graph on its tensor inputs (no tokens); returns all outputs without tokens."""
+        n_tokens = len(self.token_keys)
+        token = ops.make_token()
+        results = self.graph_module.forward(*([token] * n_tokens), *tensors)
+        return list(results[n_tokens:])
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        return [*self.signature.bind(args, kwargs, self.name), *self.lifted]
+
+    def unflatten(self, tensor_outs: list[Any]) -> Any:
+        leaves = [tensor_outs[v] if kind == "tensor" else v for kind, v in self.out_layout]
+        return tree_unflatten(leaves, self.out_spec)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outs = self.run_flat(self.flat_inputs(args, kwargs))
+        if self.n_extra_outputs:
+            outs = outs[: len(outs) - self.n_extra_outputs]
+        return self.unflatten(outs)
+
+
+class _RunTraining(torch.autograd.Function):
+    """One autograd node per call of a compiled training program (see TrainingProgram)."""
+
+    @staticmethod
+    def forward(ctx: Any, prog: TrainingProgram, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        results = prog.forward.run_flat(list(inputs))
+        n_outs = len(results) - prog.forward.n_extra_outputs
+        outs, saved = results[:n_outs], results[n_outs:]
+        ctx.prog = prog
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*[o for o, m in zip(outs, prog.tangent_mask) if not m])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+        prog: TrainingProgram = ctx.prog
+        tangents = [g for g, m in zip(grads, prog.tangent_mask) if m]
+        results = iter(prog.backward.run_flat([*ctx.saved_tensors, *tangents]))
+        return (None, *[next(results) if m else None for m in prog.grad_mask])
+
+
+@dataclass(frozen=True)
+class TrainingProgram:
+    """A forward Program returning ``(*outs, *saved)`` and a backward Program ``(*saved, *tangents) ->
+    grads``, run as one ``torch.autograd.Function`` so results carry ``grad_fn`` (Note [Joint trace])."""
+
+    forward: Program
+    backward: Program
+    tangent_mask: tuple[bool, ...]
+    grad_mask: tuple[bool, ...]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.forward.graph_module
+
+    @property
+    def form(self) -> str:
+        return self.forward.form
+
+    @property
+    def region_traces(self) -> dict[str, int]:
+        return self.forward.region_traces
+
+    def map(self, fn: Any) -> TrainingProgram:
+        """Apply a ``Program -> Program`` pass to both halves."""
+        return dataclasses.replace(self, forward=fn(self.forward), backward=fn(self.backward))
+
+    def __str__(self) -> str:
+        return f"{self.forward}\n\n{self.backward}"
+
+    __repr__ = __str__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = self.forward.flat_inputs(args, kwargs)
+        outs = _RunTraining.apply(self, *inputs)
+        return self.forward.unflatten(list(outs))
