@@ -25,12 +25,13 @@ from .errors import (
     VerificationError,
 )
 from .regions import region
+from .runtime.compile import CompiledCallable, compile
 from .runtime.program import Program, TrainingProgram
 
 __all__ = [
-    "BackendError", "CaptureError", "DataDependentControlFlowError", "EffectfxError", "FreeTensorError",
-    "MissingFakeImplError", "Program", "RegionEffectsChangedError", "RegionRecursionError",
-    "RegistryError", "SignatureMismatchError", "TrainingProgram", "UnsupportedMutationError",
-    "UnsupportedReturnError", "VerificationError", "capture", "effect_of", "ops", "region",
-    "register_effect",
+    "BackendError", "CaptureError", "CompiledCallable", "DataDependentControlFlowError", "EffectfxError",
+    "FreeTensorError", "MissingFakeImplError", "Program", "RegionEffectsChangedError",
+    "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
+    "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "capture", "compile",
+    "effect_of", "ops", "region", "register_effect",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch._library.custom_ops import CustomOpDef
@@ -19,7 +19,7 @@ from .errors import RegistryError
 DEFAULT_KEY = "ordered"
 _KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]*$")
 
-OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket, CustomOpDef, str]
+OpLike = torch._ops.OpOverload | torch._ops.OpOverloadPacket | CustomOpDef | str
 
 # qualified op name ("ns::name") -> effect key.  Keyed by packet name: all overloads share the key.
 _REGISTRY: dict[str, str] = {}

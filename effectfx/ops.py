@@ -6,7 +6,8 @@ callables, so running a graph costs one Python call per node, as eager does.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,12 +21,18 @@ def active_tracer() -> Any:
     return getattr(_ACTIVE, "tracer", None)
 
 
+def _default_name(fn: Callable[..., Any]) -> str:
+    # "Block.forward" for methods, "repeated" for functions (closures lose their "<locals>" prefix)
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "region")
+    return qualname.rsplit("<locals>.", 1)[-1]
+
+
 class Region:
     """One region: the user's function, its display name, and what its traces revealed so far."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "region")
+        self.name = name or _default_name(fn)
         # cache key -> effect keys seen when that key's body was functionalized (across captures)
         self.known_effects: dict[Any, frozenset[str]] = {}
         self._lock = threading.Lock()

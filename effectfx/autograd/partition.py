@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..graphs import graph_module
 from ..passes.dce import is_effectful
 
 
@@ -74,5 +75,5 @@ def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
     _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents], benv)
     bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
     return Partition(
-        fx.GraphModule(joint, fwd_graph, "Forward"), fx.GraphModule(joint, bwd_graph, "Backward"), saved
+        graph_module(joint, fwd_graph, "Forward"), graph_module(joint, bwd_graph, "Backward"), saved
     )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from itertools import chain
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
-from .meta import OperandSource, TensorMeta
+from .meta import OperandSource
 from .region_call import _leaf_names
 from .trace import Scope, trace_graph
 from .tracer import Tracer

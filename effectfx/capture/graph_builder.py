@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
+
+from ..graphs import graph_module
 
 
 def _node_name(target: Any) -> str | None:
@@ -81,4 +84,4 @@ class GraphBuilder:
 
     def finish(self, outputs: tuple, class_name: str) -> fx.GraphModule:
         self.graph.output(tuple(outputs))
-        return fx.GraphModule(self.holder, self.graph, class_name)
+        return graph_module(self.holder, self.graph, class_name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import re
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -201,7 +202,8 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     traced.forward.meta["effectfx_region"] = (region, key, identifier, "forward")
     if traced.backward is not None:
         traced.backward.meta["effectfx_region"] = (region, key, identifier, "backward")
-    body = RegionBody(identifier, region, key, traced, f"{region.name}_{identifier.replace('_', '')}")
+    attr = re.sub(r"\W", "_", region.name) + "_" + identifier.replace("_", "")
+    body = RegionBody(identifier, region, key, traced, attr)
     tracer.bodies[(region, key)] = body
     tracer.trace_counts[identifier] = tracer.trace_counts.get(identifier, 0) + 1
     return body

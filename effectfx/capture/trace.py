@@ -6,7 +6,8 @@ See Note [Joint trace] and Note [Region identity] in effectfx.notes.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -102,9 +103,8 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         tangent_mask = tuple(t.requires_grad for t in tensors)
         input_meta = [TensorMeta.of(v) for v in scope.values]
         if not (torch.is_grad_enabled() and any(tangent_mask)):
+            eliminate_dead_code(builder.graph)
             gm = builder.finish(out_nodes, class_name)
-            eliminate_dead_code(gm.graph)
-            gm.recompile()
             return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta)
 
         builder.phase = "backward"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -98,8 +99,10 @@ class Tracer(TorchDispatchMode):
 
     def new_fake(self, meta: Any) -> torch.Tensor:
         """A fresh fake tensor with the given TensorMeta, created without recording anything."""
-        with self.paused(), torch.no_grad():
-            t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+        # straight from a meta tensor: ~10x cheaper than a factory call through the fake mode
+        with torch._C._DisableTorchDispatch():
+            storage = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+        t = FakeTensor(self.fake_mode, storage, meta.device)
         if meta.requires_grad:
             t.requires_grad_(True)
         return t

@@ -22,6 +22,7 @@ import torch.fx as fx
 from .. import ops
 from ..effects import effect_of
 from ..errors import RegionEffectsChangedError
+from ..graphs import graph_module
 from ..runtime.program import Program, RegionEntry
 
 
@@ -125,7 +126,7 @@ class _Functionalizer:
         if len(keys) == 1:
             start[keys[0]]._rename("token")
             start[keys[0]].target = "token"
-        new = fx.GraphModule(holder, graph, gm.__class__.__name__)
+        new = graph_module(holder, graph, gm.__class__.__name__)
         new.meta.update({k: v for k, v in gm.meta.items() if k != "effectfx_effect_keys"})
         new.meta["effectfx_token_keys"] = keys
         return new, keys

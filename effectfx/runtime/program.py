@@ -188,7 +188,9 @@ class TrainingProgram:
 
     __repr__ = __str__
 
+    def run_autograd(self, inputs: list[torch.Tensor]) -> tuple:
+        return _RunTraining.apply(self, *inputs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = self.forward.flat_inputs(args, kwargs)
-        outs = _RunTraining.apply(self, *inputs)
+        outs = self.run_autograd(self.forward.flat_inputs(args, kwargs))
         return self.forward.unflatten(list(outs))
