@@ -103,8 +103,9 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         tangent_mask = tuple(t.requires_grad for t in tensors)
         input_meta = [TensorMeta.of(v) for v in scope.values]
         if not (torch.is_grad_enabled() and any(tangent_mask)):
-            eliminate_dead_code(builder.graph)
             gm = builder.finish(out_nodes, class_name)
+            eliminate_dead_code(gm.graph)
+            gm.recompile()  # lazy: only marks the code stale
             return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta)
 
         builder.phase = "backward"
