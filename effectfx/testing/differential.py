@@ -1,0 +1,127 @@
+"""Differential checks: run a program in eager and through effectfx, compare outputs, grads and effects.
+
+``FORMS`` maps a form's name to a function building a callable from ``(fn, args, kwargs)``; passes that
+add forms (unlifted, token-free, ...) register themselves here, so every differential test and the fuzzer
+cover them automatically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+import effectfx as efx
+
+from .effect_ops import recording
+
+Builder = Callable[[Callable[..., Any], tuple, dict], Callable[..., Any]]
+
+FORMS: dict[str, Builder] = {
+    "captured": lambda fn, a, k: efx.capture(fn, *a, functionalize=False, **k),
+    "functionalized": lambda fn, a, k: efx.capture(fn, *a, **k),
+}
+
+
+class EagerMismatch(AssertionError):
+    """effectfx disagreed with eager PyTorch."""
+
+
+@dataclass
+class RunResult:
+    outputs: list[Any]
+    grads: list[torch.Tensor | None]
+    log: list[tuple]
+    capture_log: list[tuple]
+
+
+def _grad_outputs(t: torch.Tensor, i: int) -> torch.Tensor:
+    # deterministic and asymmetric, so swapped or summed gradients do not cancel out
+    n = max(t.numel(), 1)
+    return (torch.arange(n, dtype=t.dtype).reshape(t.shape) % 7 - 3 + 0.5 * (i + 1)).to(t.dtype)
+
+
+def _wrt(fn: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(module, torch.nn.Module):
+        leaves += [p for p in module.parameters() if p.requires_grad]
+    return leaves
+
+
+def _run(call: Callable[[], Any], wrt: list[torch.Tensor]) -> tuple[list[Any], list[Any], list[tuple]]:
+    with recording() as log:
+        out = call()
+        outs = tree_flatten(out)[0]
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        grads: list[Any] = []
+        if diff and wrt:
+            grads = list(torch.autograd.grad(diff, wrt, [_grad_outputs(o, i) for i, o in enumerate(diff)],
+                                             allow_unused=True))
+    return outs, grads, log
+
+
+def run_eager(fn: Callable[..., Any], args: tuple, kwargs: dict | None = None) -> RunResult:
+    kwargs = kwargs or {}
+    outs, grads, log = _run(lambda: fn(*args, **kwargs), _wrt(fn, args, kwargs))
+    return RunResult(outs, grads, log, [])
+
+
+def run_program(build: Builder, fn: Callable[..., Any], args: tuple, kwargs: dict | None = None,
+                calls: int = 1) -> list[RunResult]:
+    kwargs = kwargs or {}
+    with recording() as capture_log:
+        prog = build(fn, args, kwargs)
+    results = []
+    for _ in range(calls):
+        outs, grads, log = _run(lambda: prog(*args, **kwargs), _wrt(fn, args, kwargs))
+        results.append(RunResult(outs, grads, log, list(capture_log)))
+        capture_log = []
+    return results
+
+
+def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-3)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_close(x, y, rtol, atol) for x, y in zip(a, b))
+    return a == b
+
+
+def compare(name: str, eager: RunResult, got: RunResult, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    problems = []
+    if got.capture_log:
+        problems.append(f"capture ran effects: {got.capture_log}")
+    if not _close(eager.outputs, got.outputs, rtol, atol):
+        problems.append(f"outputs differ:\n  eager: {eager.outputs}\n  {name}: {got.outputs}")
+    if len(eager.grads) != len(got.grads) or not all(
+        (a is None and (b is None or not b.any())) or (b is None and not a.any()) or _close(a, b, rtol, atol)
+        for a, b in zip(eager.grads, got.grads)
+        if a is not None or b is not None
+    ):
+        problems.append(f"gradients differ:\n  eager: {eager.grads}\n  {name}: {got.grads}")
+    if not _close(eager.log, got.log, rtol, atol):
+        problems.append(f"effect logs differ:\n  eager: {eager.log}\n  {name}: {got.log}")
+    if problems:
+        raise EagerMismatch(f"[{name}] " + "\n".join(problems))
+
+
+def check_against_eager(fn: Callable[..., Any], *args: Any, forms: tuple[str, ...] | None = None,
+                        compile: bool = True, calls: int = 2, **kwargs: Any) -> RunResult:
+    """Run ``fn`` in eager, through every form in ``FORMS`` (or ``forms``) and through ``efx.compile``
+    (``calls`` times, to exercise the cache); raise :class:`EagerMismatch` on any difference."""
+    eager = run_eager(fn, args, kwargs)
+    for name in forms if forms is not None else tuple(FORMS):
+        for result in run_program(FORMS[name], fn, args, kwargs):
+            compare(name, eager, result)
+    if compile:
+        for i, result in enumerate(run_program(lambda f, a, k: efx.compile(f), fn, args, kwargs, calls)):
+            compare(f"compile call {i + 1}", eager, result)
+    return eager
