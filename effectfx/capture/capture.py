@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import regions as _regions
 from ..runtime.printing import subgraphs
-from ..runtime.program import InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
 from .meta import OperandSource
 from .region_call import _leaf_names
 from .trace import Scope, trace_graph
@@ -66,6 +66,11 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
         traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root")
 
+    bodies = tuple(
+        BodyInfo(b.identifier, b.region.name, b.key, b.key_labels, b.trace_seconds,
+                 tracer.region_calls.get(b.identifier, 0))
+        for b in sorted(tracer.bodies.values(), key=lambda b: int(b.identifier.rsplit("_", 1)[1]))
+    )
     n_user = sum(1 for s in traced.sources if s.kind == "arg")
     signature = InputSignature(
         spec,
@@ -79,6 +84,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         traced.forward, signature, lifted, traced.out_spec, tuple(traced.out_layout),
         regions=_regions_of(traced.forward, tracer), history=record,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
+        bodies=bodies,
     )
     if traced.backward is None:
         return forward
@@ -89,6 +95,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         (), tree_flatten([None] * len(traced.grad_meta))[1],
         tuple(("tensor", i) for i in range(len(traced.grad_meta))),
         regions=_regions_of(traced.backward, tracer), history=record, name=f"{name} (backward)",
+        bodies=bodies,
     )
     return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask)
 

@@ -11,6 +11,7 @@ import functools
 import inspect
 import operator
 import re
+import time
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -39,6 +40,8 @@ class RegionBody:
     key: Any
     traced: TracedGraph
     attr: str  # attribute name of its forward subgraph in calling graphs
+    key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations
+    trace_seconds: float = 0.0
 
     @property
     def backward_attr(self) -> str:
@@ -61,6 +64,11 @@ def _module_state(module: torch.nn.Module) -> tuple:
         (name, TensorMeta.of(t)) for name, t in chain(module.named_parameters(), module.named_buffers())
     )
     return (tuple(parts), tensors)
+
+
+def key_labels(names: list[str]) -> tuple[str, ...]:
+    """Human names for the parts of :func:`cache_key`, in the same order."""
+    return ("grad mode", "argument structure", *names)
 
 
 def cache_key(leaves: list[Any], spec: Any) -> tuple:
@@ -179,6 +187,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
 def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,
                 args: tuple, kwargs: dict) -> RegionBody:
     identifier = tracer.next_identifier()
+    start = time.perf_counter()
     module_params: dict[int, tuple[int, str]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.nn.Module):
@@ -203,7 +212,8 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     if traced.backward is not None:
         traced.backward.meta["effectfx_region"] = (region, key, identifier, "backward")
     attr = re.sub(r"\W", "_", region.name) + "_" + identifier.replace("_", "")
-    body = RegionBody(identifier, region, key, traced, attr)
+    body = RegionBody(identifier, region, key, traced, attr, key_labels(names),
+                      time.perf_counter() - start)
     tracer.bodies[(region, key)] = body
     tracer.trace_counts[identifier] = tracer.trace_counts.get(identifier, 0) + 1
     return body

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import effectfx as efx
@@ -34,6 +36,14 @@ def seed_program(x: torch.Tensor) -> torch.Tensor:
 
 def _rule(title: str) -> None:
     print(f"\n{'=' * 8} {title} {'=' * (70 - len(title))}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_demo()
 
 
 def run_demo() -> int:

@@ -67,6 +67,18 @@ class RegionEntry:
 
 
 @dataclass(frozen=True)
+class BodyInfo:
+    """How one region body came to be (for ``efx.explain``): its cache key, labelled, and its cost."""
+
+    identifier: str
+    region: str
+    key: tuple
+    key_labels: tuple[str, ...]
+    trace_seconds: float
+    calls: int
+
+
+@dataclass(frozen=True)
 class PassRecord:
     name: str
     seconds: float
@@ -85,6 +97,7 @@ class Program:
     history: tuple[PassRecord, ...] = ()
     n_extra_outputs: int = 0  # trailing outputs not returned to the user (saved for backward)
     name: str = "program"
+    bodies: tuple[BodyInfo, ...] = ()  # every body traced by the capture, in order of first trace
 
     # -- inspection ------------------------------------------------------------------------------
     @property
