@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench fuzz clean
+.PHONY: demo test lint bench fuzz clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,10 +13,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 
+# Headless Chromium for the HTML tests of `effectfx show` (tests/test_show.py).  Installed from Debian's
+# packages when missing and apt is available; otherwise those tests skip and say why.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "browser: no /usr/bin/chromium and no apt-get; the headless-browser tests will skip"; \
+	else \
+		SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+		( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends chromium ) \
+		|| echo "browser: could not install chromium; the headless-browser tests will skip"; \
+	fi
+
 demo: $(STAMP)
 	$(BIN)/python -m effectfx demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/ruff check effectfx tests benchmarks examples
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
