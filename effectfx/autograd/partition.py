@@ -59,11 +59,6 @@ def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
     saved = [n for n in nodes if n in saved_set]
     live_fwd = _live(outs + saved + [n for n in forward if is_effectful(n)], forward)
 
-    fwd_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    _copy(fwd_graph, [n for n in nodes if n in live_fwd or (n.op == "placeholder" and n in forward)], env)
-    fwd_graph.output((*[env[n] for n in outs], *[env[n] for n in saved]))
-
     bwd_graph = fx.Graph()
     benv: dict[fx.Node, fx.Node] = {}
     for node in saved:
@@ -74,6 +69,14 @@ def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
     tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
     _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents], benv)
     bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
-    return Partition(
-        graph_module(joint, fwd_graph, "Forward"), graph_module(joint, bwd_graph, "Backward"), saved
-    )
+    bwd = graph_module(joint, bwd_graph, "Backward")
+
+    # the joint module is ours and dies here: cut it down to the forward module in place (no copy)
+    output.args = ((*outs, *saved),)
+    for node in reversed(nodes[:-1]):
+        if node not in live_fwd and not (node.op == "placeholder" and node in forward):
+            joint.graph.erase_node(node)
+            if node.op == "get_attr":
+                delattr(joint, node.target)
+    joint.recompile()
+    return Partition(joint, bwd, saved)

@@ -33,7 +33,7 @@ class GraphBuilder:
         self.keepalive: list[torch.Tensor] = []
         self.phase = "forward"
         self.lift = lift
-        self.attrs: dict[int, str] = {}
+        self.attrs: dict[int, fx.Node] = {}
         self.holder = torch.nn.Module()
         self._placeholders_end: fx.Node | None = None
 
@@ -72,14 +72,12 @@ class GraphBuilder:
         return node
 
     def get_attr(self, module: torch.nn.Module, base_name: str) -> fx.Node:
-        """A get_attr node for a subgraph, registered on this graph's module under a stable name."""
-        name = self.attrs.get(id(module))
-        if name is None:
-            name = base_name
-            setattr(self.holder, name, module)
-            self.attrs[id(module)] = name
-        node = self.graph.get_attr(name)
-        node.meta["phase"] = self.phase
+        """The get_attr node of a subgraph: one per subgraph per graph, shared by all its call sites."""
+        node = self.attrs.get(id(module))
+        if node is None:
+            setattr(self.holder, base_name, module)
+            node = self.attrs[id(module)] = self.graph.get_attr(base_name)
+            node.meta["phase"] = self.phase
         return node
 
     def finish(self, outputs: tuple, class_name: str) -> fx.GraphModule:

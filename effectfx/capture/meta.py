@@ -20,7 +20,9 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+        # a FakeTensor knows its device without a dispatch (t.device would dispatch prim.device)
+        device = getattr(t, "fake_device", None) or t.device
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, device, t.requires_grad)
 
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")

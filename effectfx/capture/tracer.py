@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from ..effects import effect_of
 from ..errors import (
@@ -27,9 +27,23 @@ from ..errors import (
     UnsupportedMutationError,
 )
 from .graph_builder import GraphBuilder
+from .meta import TensorMeta
 from .source import user_location
 
 aten = torch.ops.aten
+
+# metadata queries a fake tensor answers itself: never recorded, so skip all bookkeeping
+_PASSTHROUGH = {
+    torch.ops.prim.device.default,
+    aten.sym_size.default,
+    aten.sym_size.int,
+    aten.sym_stride.default,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+}
 
 _DATA_DEPENDENT = {
     aten._local_scalar_dense.default,
@@ -37,6 +51,15 @@ _DATA_DEPENDENT = {
     aten.is_nonzero.default,
     aten.equal.default,
 }
+
+
+def map_structure(fn: Any, value: Any) -> Any:
+    """``fn`` over the leaves of nested tuples/lists/dicts: aten arguments, without pytree's overhead."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_structure(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: map_structure(fn, v) for k, v in value.items()}
+    return fn(value)
 
 
 def _mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
@@ -66,7 +89,9 @@ class Tracer(TorchDispatchMode):
         self.fake_mode = FakeTensorMode()
         self.builders: list[GraphBuilder] = []
         self.region_stack: list[Any] = []
-        self.real_of: dict[int, torch.Tensor] = {}
+        self.real_of: dict[int, torch.Tensor] = {}  # id(fake) -> real tensor it stands for
+        self.fake_of: dict[int, torch.Tensor] = {}  # id(real) -> its fake
+        self.keepalive: list[torch.Tensor] = []
         self.recording = True
         self.viewed: set[int] = set()
         self.bodies: dict[Any, Any] = {}  # (region, cache key) -> RegionBody: the region cache
@@ -90,14 +115,17 @@ class Tracer(TorchDispatchMode):
         return self.builders[-1]
 
     def to_fake(self, value: Any) -> Any:
+        """The fake standing for a real tensor (one per real tensor, created on first sight)."""
         if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
             return value
-        fake = self.fake_mode.from_tensor(value)
-        self.real_of[id(fake)] = value
-        self.builder.keepalive.append(fake)
+        fake = self.fake_of.get(id(value))
+        if fake is None:
+            fake = self.fake_of[id(value)] = self.new_fake(TensorMeta.of(value))
+            self.real_of[id(fake)] = value
+            self.keepalive.append(value)
         return fake
 
-    def new_fake(self, meta: Any) -> torch.Tensor:
+    def new_fake(self, meta: TensorMeta) -> torch.Tensor:
         """A fresh fake tensor with the given TensorMeta, created without recording anything."""
         # straight from a meta tensor: ~10x cheaper than a factory call through the fake mode
         with torch._C._DisableTorchDispatch():
@@ -130,7 +158,7 @@ class Tracer(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.recording:
+        if not self.recording or func in _PASSTHROUGH:
             return func(*args, **kwargs)
         if func in _DATA_DEPENDENT:
             raise DataDependentControlFlowError(
@@ -139,10 +167,10 @@ class Tracer(TorchDispatchMode):
                 "instead of Python control flow (e.g. torch.where), or move the check outside the captured "
                 "function."
             )
-        args, kwargs = tree_map(self.to_fake, (args, kwargs))
+        args, kwargs = map_structure(self.to_fake, (args, kwargs))
         key = effect_of(func)
         builder = self.builder
-        node_args, node_kwargs = tree_map(builder.node_of, (args, kwargs))
+        node_args, node_kwargs = map_structure(builder.node_of, (args, kwargs))
         mutated = _mutated_args(func, args, kwargs) if func._schema.is_mutable else []
         target = func
         if mutated:
