@@ -24,6 +24,11 @@ from .errors import (
     UnsupportedReturnError,
     VerificationError,
 )
+from .explain import Explanation, explain
+from .passes.dce import dead_code_elimination
+from .passes.remove_tokens import remove_effect_tokens
+from .passes.unlift import unlift_tokens
+from .passes.verify import verify
 from .regions import region
 from .runtime.compile import CompiledCallable, compile
 from .runtime.program import Program, TrainingProgram
@@ -33,5 +38,6 @@ __all__ = [
     "FreeTensorError", "MissingFakeImplError", "Program", "RegionEffectsChangedError",
     "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "capture", "compile",
-    "effect_of", "ops", "region", "register_effect",
+    "effect_of", "explain", "Explanation", "ops", "region", "register_effect",
+    "dead_code_elimination", "remove_effect_tokens", "unlift_tokens", "verify",
 ]

@@ -10,6 +10,8 @@ import torch.fx as fx
 
 from .. import ops
 from ..effects import node_effect_keys
+from ..runtime.program import Program
+from .rewrite import GraphContext, GraphRewrite
 
 _ALWAYS_LIVE = {ops.sink_tokens, ops.with_effects}
 
@@ -26,3 +28,25 @@ def eliminate_dead_code(graph: fx.Graph) -> fx.Graph:
         if not node.users and not is_effectful(node):
             graph.erase_node(node)
     return graph
+
+
+class _CopyGraphs(GraphRewrite):
+    """Every graph copied as is (same form, same tokens), then dead code removed from the copy."""
+
+    form_in = ("captured", "functionalized", "unlifted", "token-free")
+
+    def token_keys_out(self, ctx: GraphContext) -> tuple[str, ...]:
+        return ctx.keys
+
+    def done(self, gm: fx.GraphModule) -> None:
+        eliminate_dead_code(gm.graph)
+        gm.recompile()
+
+
+def dead_code_elimination(prog: Program) -> Program:
+    """Any form -> same form: a new Program whose graphs lack the pure nodes nobody reads; every effect,
+    effectful region call and token stays (the registry decides, via :func:`is_effectful`)."""
+    rewrite = _CopyGraphs(prog.form)
+    rewrite.form_out = prog.form
+    keys = tuple(prog.token_keys) if prog.form == "functionalized" else ()
+    return prog.replace(graph_module=rewrite.rebuild(prog.graph_module, keys))

@@ -20,10 +20,15 @@ from torch.utils._pytree import tree_flatten
 from ..capture.capture import trace_program
 from ..functionalize import thread_tokens
 from ..passes.pipeline import run_passes
+from ..passes.remove_tokens import remove_effect_tokens_pass
 from .program import Program, TrainingProgram
 
 # The passes between capture and execution, per backend.  Kept in one table so a backend is one entry.
-BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {"eager": [thread_tokens]}
+# "eager" runs the token-free form: no token tensors or with_effects calls at run time, node order keeps
+# the effects (DESIGN §2.4).
+BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
+    "eager": [thread_tokens, remove_effect_tokens_pass],
+}
 
 
 @dataclass

@@ -24,6 +24,8 @@ Builder = Callable[[Callable[..., Any], tuple, dict], Callable[..., Any]]
 FORMS: dict[str, Builder] = {
     "captured": lambda fn, a, k: efx.capture(fn, *a, functionalize=False, **k),
     "functionalized": lambda fn, a, k: efx.capture(fn, *a, **k),
+    "unlifted": lambda fn, a, k: efx.unlift_tokens(efx.capture(fn, *a, **k)),
+    "token-free": lambda fn, a, k: efx.remove_effect_tokens(efx.capture(fn, *a, **k)),
 }
 
 
