@@ -1,0 +1,661 @@
+"""``efx.explain``: what a capture made, and why -- the report to read when something is slow or surprising.
+
+``efx.explain(fn, *args, **kwargs)`` captures ``fn`` (like ``efx.capture``) and reports:
+
+* the regions found, how many bodies each got, and **why each new body was traced**: its region-cache key
+  (Note [Region identity]) is compared part by part with the closest earlier body of the same region,
+  and the differing parts are named (``argument 'n': 2 -> 3``, ``x: requires_grad False -> True``);
+* the effect keys of each region (forward and backward);
+* the size of every graph (nodes, ops, effects);
+* the time spent per stage (capture and each pass).
+
+It also takes an ``efx.compile``d callable: each cached program is explained, with why its signature was
+compiled (which part of the compile key differed from the closest earlier signature).  With arguments,
+the callable first compiles them (without running anything).  A ``Program`` or ``TrainingProgram`` can be
+passed directly too.
+
+``str(explanation)`` is the readable report; the dataclasses hold the same facts for programs and tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_unflatten
+
+from . import ops
+from .capture.meta import TensorMeta
+from .effects import effect_of
+from .runtime.compile import CompiledCallable, CompiledEntry
+from .runtime.printing import subgraphs
+from .runtime.program import BodyInfo, Program, TrainingProgram
+
+# -- describing differences between cache keys -----------------------------------------------------------
+
+
+def _short_spec(spec: Any) -> str:
+    return " ".join(str(spec).split())
+
+
+def _tensor_short(meta: Any) -> str:
+    if isinstance(meta, TensorMeta):
+        return "tensor " + meta.short()
+    return "tensor"
+
+
+def _value_short(part: Any) -> str:
+    """A cache-key part, as a user would write it."""
+    if isinstance(part, TensorMeta):
+        return _tensor_short(part)
+    if isinstance(part, tuple) and len(part) == 2 and part[0] == "object":
+        return "an object (unhashable, compared by identity)"
+    if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
+        return repr(part[1])
+    if isinstance(part, tuple) and len(part) == 4 and isinstance(part[0], torch.Size):
+        shape, dtype, _device, rg = part
+        return "tensor " + str(dtype).replace("torch.", "") + str(list(shape)) + ("(grad)" if rg else "")
+    return repr(part)
+
+
+def _diff_tensor_meta(label: str, a: TensorMeta, b: TensorMeta) -> list[str]:
+    out = []
+    if a.shape != b.shape:
+        out.append(f"{label}: shape {list(a.shape)} -> {list(b.shape)}")
+    if a.dtype != b.dtype:
+        da, db = (str(t).replace("torch.", "") for t in (a.dtype, b.dtype))
+        out.append(f"{label}: dtype {da} -> {db}")
+    if a.device != b.device:
+        out.append(f"{label}: device {a.device} -> {b.device}")
+    if a.requires_grad != b.requires_grad:
+        out.append(f"{label}: requires_grad {a.requires_grad} -> {b.requires_grad}")
+    if a.stride != b.stride and a.shape == b.shape:
+        out.append(f"{label}: stride {a.stride} -> {b.stride} (a transposed or sliced view?)")
+    return out
+
+
+def _is_module_state(part: Any) -> bool:
+    return (isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], tuple)
+            and isinstance(part[1], tuple) and all(isinstance(p, tuple) and len(p) == 3 for p in part[0])
+            and bool(part[0]) and isinstance(part[0][0][1], type))
+
+
+def _diff_module_state(label: str, a: tuple, b: tuple) -> list[str]:
+    out = []
+    subs_a = {prefix: (cls, dict(attrs)) for prefix, cls, attrs in a[0]}
+    subs_b = {prefix: (cls, dict(attrs)) for prefix, cls, attrs in b[0]}
+
+    def where(prefix: str) -> str:
+        return f"{label}.{prefix}" if prefix else label
+
+    for prefix in sorted(set(subs_a) | set(subs_b)):
+        if prefix not in subs_a or prefix not in subs_b:
+            state = "added" if prefix not in subs_a else "removed"
+            out.append(f"{where(prefix)}: submodule {state}")
+            continue
+        (cls_a, attrs_a), (cls_b, attrs_b) = subs_a[prefix], subs_b[prefix]
+        if cls_a is not cls_b:
+            out.append(f"{where(prefix)}: class {cls_a.__name__} -> {cls_b.__name__}")
+            continue
+        for name in sorted(set(attrs_a) | set(attrs_b)):
+            va, vb = attrs_a.get(name, "<unset>"), attrs_b.get(name, "<unset>")
+            if va != vb:
+                out.append(f"{where(prefix)}.{name}: {va!r} -> {vb!r}")
+    tensors_a, tensors_b = dict(a[1]), dict(b[1])
+    for name in sorted(set(tensors_a) | set(tensors_b)):
+        if name not in tensors_a or name not in tensors_b:
+            state = "added" if name not in tensors_a else "removed"
+            out.append(f"{label}.{name}: parameter/buffer {state}")
+            continue
+        out.extend(_diff_tensor_meta(f"{label}.{name}", tensors_a[name], tensors_b[name]))
+    return out or [f"{label}: module state differs"]
+
+
+def _diff_part(label: str, a: Any, b: Any) -> list[str]:
+    if a == b:
+        return []
+    if label == "grad mode":
+        return [f"grad mode: {'enabled' if a else 'disabled'} -> {'enabled' if b else 'disabled'}"]
+    if label == "argument structure":
+        return [f"argument structure: {_short_spec(a)} -> {_short_spec(b)}"]
+    if isinstance(a, TensorMeta) and isinstance(b, TensorMeta):
+        return _diff_tensor_meta(label, a, b) or [f"{label}: {a.short()} -> {b.short()}"]
+    if _is_module_state(a) and _is_module_state(b):
+        return _diff_module_state(label, a, b)
+    if (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], type)
+            and isinstance(b, tuple) and len(b) == 2 and isinstance(b[0], type)):
+        if a[0] is not b[0]:
+            return [f"argument '{label}': {a[1]!r} ({a[0].__name__}) -> {b[1]!r} ({b[0].__name__})"]
+        return [f"argument '{label}': {a[1]!r} -> {b[1]!r}"]
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("object",):
+        return [f"argument '{label}': a different object (unhashable, so compared by identity)"]
+    # compile-signature tensors: (shape, dtype, device, requires_grad)
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
+            and isinstance(a[0], torch.Size) and isinstance(b[0], torch.Size)):
+        fields = ("shape", "dtype", "device", "requires_grad")
+        out = []
+        for f, x, y in zip(fields, a, b):
+            if x != y:
+                x = list(x) if f == "shape" else str(x).replace("torch.", "")
+                y = list(y) if f == "shape" else str(y).replace("torch.", "")
+                out.append(f"{label}: {f} {x} -> {y}")
+        return out
+    if isinstance(a, torch.Size) or isinstance(a, TensorMeta) or isinstance(b, TensorMeta):
+        return [f"'{label}': {_value_short(a)} -> {_value_short(b)}"]
+    return [f"argument '{label}': {_value_short(a)} -> {_value_short(b)}"]
+
+
+def key_differences(old: tuple, new: tuple, old_labels: Sequence[str],
+                    new_labels: Sequence[str]) -> list[str]:
+    """The labelled parts of two cache keys that differ, as readable lines (empty if the keys are equal)."""
+    if len(old) != len(new) or tuple(old_labels) != tuple(new_labels):
+        out = _diff_part("grad mode", old[0], new[0]) if old and new else []
+        names_a = ", ".join(old_labels[2:]) or "-"
+        names_b = ", ".join(new_labels[2:]) or "-"
+        if names_a != names_b:
+            return [*out, f"argument structure: ({names_a}) -> ({names_b})"]
+        return [*out, *_diff_part("argument structure", old[1], new[1])]
+    out = []
+    for label, a, b in zip(new_labels, old, new):
+        out.extend(_diff_part(label, a, b))
+    if not out and old != new:
+        out.append("the cache keys differ in a part that has no label")
+    return out
+
+
+def _closest(candidates: Sequence[Any], diff: Callable[[Any], list[str]]) -> tuple[Any, list[str]] | None:
+    best = None
+    for cand in candidates:
+        d = diff(cand)
+        if best is None or len(d) < len(best[1]):
+            best = (cand, d)
+    return best
+
+
+# -- the report ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BodyReport:
+    """One traced body of a region, and why it exists."""
+
+    identifier: str
+    region: str
+    calls: int
+    trace_seconds: float
+    reason: str
+    differences: tuple[str, ...] = ()
+    compared_with: str | None = None
+    forward_effects: tuple[str, ...] | None = None
+    backward_effects: tuple[str, ...] | None = None
+    forward_nodes: int | None = None
+    backward_nodes: int | None = None
+
+    @property
+    def new(self) -> bool:
+        """Whether this body exists because an earlier body of its region did not fit."""
+        return self.compared_with is not None
+
+
+@dataclass(frozen=True)
+class RegionReport:
+    name: str
+    bodies: tuple[BodyReport, ...]
+
+    @property
+    def calls(self) -> int:
+        return sum(b.calls for b in self.bodies)
+
+    @property
+    def effects(self) -> tuple[str, ...]:
+        keys = {k for b in self.bodies for k in (*(b.forward_effects or ()), *(b.backward_effects or ()))}
+        return tuple(sorted(keys))
+
+    @property
+    def forward_effects(self) -> tuple[str, ...]:
+        return tuple(sorted({k for b in self.bodies for k in (b.forward_effects or ())}))
+
+    @property
+    def backward_effects(self) -> tuple[str, ...]:
+        return tuple(sorted({k for b in self.bodies for k in (b.backward_effects or ())}))
+
+
+@dataclass(frozen=True)
+class GraphSize:
+    program: str  # "forward", "backward" or "program"
+    graph: str  # "root" or the subgraph's attribute name
+    identifier: str | None
+    nodes: int
+    ops: int  # call_function nodes other than getitem
+    effects: int  # effectful op calls (wrapped or not)
+    region_calls: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    seconds: float
+    program: str  # which half ran the stage ("forward", "backward", or "" when shared/whole)
+
+
+@dataclass(frozen=True)
+class ProgramReport:
+    """One program (one capture, or one compiled signature)."""
+
+    title: str
+    training: bool
+    form: str
+    inputs: str
+    token_keys: tuple[str, ...]
+    regions: tuple[RegionReport, ...]
+    graphs: tuple[GraphSize, ...]
+    stages: tuple[Stage, ...]
+    why: str | None = None  # compiled callables: why this signature was compiled
+    why_differences: tuple[str, ...] = ()
+    compile_seconds: float | None = None
+
+    @property
+    def bodies(self) -> tuple[BodyReport, ...]:
+        bodies = (b for r in self.regions for b in r.bodies)
+        return tuple(sorted(bodies, key=lambda b: _ident_order(b.identifier)))
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`explain` found; ``str()`` is the readable report."""
+
+    target: str
+    programs: tuple[ProgramReport, ...]
+    compiled: bool = False
+    compiles: int | None = None
+    calls: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    # convenient views over every program
+    @property
+    def bodies(self) -> tuple[BodyReport, ...]:
+        return tuple(b for p in self.programs for b in p.bodies)
+
+    @property
+    def regions(self) -> dict[str, RegionReport]:
+        """Region reports by name (of the first program that has each region)."""
+        out: dict[str, RegionReport] = {}
+        for p in self.programs:
+            for r in p.regions:
+                out.setdefault(r.name, r)
+        return out
+
+    @property
+    def reasons(self) -> dict[str, str]:
+        """``{identifier: why that body was traced}`` of the first program."""
+        return {b.identifier: b.reason for b in self.programs[0].bodies} if self.programs else {}
+
+    def region_effects(self) -> dict[str, tuple[str, ...]]:
+        return {name: r.effects for name, r in self.regions.items()}
+
+    def __str__(self) -> str:
+        return _render(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
+        p.text(str(self))
+
+
+def _ident_order(identifier: str) -> tuple[int, str]:
+    tail = identifier.rsplit("_", 1)[-1]
+    return (int(tail), identifier) if tail.isdigit() else (1 << 30, identifier)
+
+
+def _graph_size(program: str, graph: str, identifier: str | None, gm: fx.GraphModule) -> GraphSize:
+    import operator
+
+    nodes = ops_ = effects = calls = 0
+    for node in gm.graph.nodes:
+        nodes += 1
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        ops_ += 1
+        target = node.target
+        if target is ops.with_effects:
+            if len(node.args) > 1 and node.args[1] is ops.invoke_subgraph:
+                calls += 1
+            else:
+                effects += 1
+        elif target is ops.invoke_subgraph:
+            calls += 1
+        elif isinstance(target, torch._ops.OpOverload) and effect_of(target) is not None:
+            effects += 1
+    return GraphSize(program, graph, identifier, nodes, ops_, effects, calls)
+
+
+def _halves(prog: Program | TrainingProgram) -> list[tuple[str, Program]]:
+    if isinstance(prog, TrainingProgram):
+        return [("forward", prog.forward), ("backward", prog.backward)]
+    return [("program", prog)]
+
+
+def _describe_inputs(prog: Program, fn: Any) -> str:
+    sig = prog.signature
+    try:
+        n_leaves = sig.spec.num_leaves
+        names = _leaf_names(fn, sig.spec, n_leaves)
+    except Exception:  # noqa: BLE001 - names are a nicety
+        names = []
+    metas = dict(sig.tensor_meta)
+    consts = dict(sig.constants)
+    parts = []
+    for i in sorted({*metas, *consts}):
+        name = names[i] if i < len(names) else f"arg{i}"
+        if i in metas:
+            parts.append(f"{name}: {metas[i].short()}")
+        else:
+            parts.append(f"{name}={consts[i]!r}")
+    return ", ".join(parts) or "(no arguments)"
+
+
+def _leaf_names(fn: Any, spec: Any, n_leaves: int) -> list[str]:
+    """Names of the leaves of ``(args, kwargs)`` shaped like ``spec``, from ``fn``'s signature."""
+    from torch.utils._pytree import tree_flatten_with_path
+
+    args, kwargs = tree_unflatten(list(range(n_leaves)), spec)
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        positional = [p.name for p in inspect.signature(target).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        positional = []
+    names = []
+    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
+        head = path[1]
+        if path[0].idx == 0:
+            base = positional[head.idx] if head.idx < len(positional) else f"arg{head.idx}"
+        else:
+            base = str(head.key)
+        rest = "_".join(str(getattr(p, "idx", getattr(p, "key", ""))) for p in path[2:])
+        names.append(f"{base}[{rest}]" if rest else base)
+    return names
+
+
+def _body_reports(prog: Program | TrainingProgram,
+                  sizes: dict[tuple[str, str], int]) -> tuple[RegionReport, ...]:
+    halves = dict(_halves(prog))
+    first = next(iter(halves.values()))
+    bodies: tuple[BodyInfo, ...] = first.bodies
+    fwd = halves.get("forward", halves.get("program"))
+    bwd = halves.get("backward")
+
+    def effects(p: Program | None, ident: str) -> tuple[str, ...] | None:
+        if p is None or ident not in p.regions or p.regions[ident].effects is None:
+            return None
+        return tuple(sorted(p.regions[ident].effects))
+
+    by_region: dict[str, list[BodyReport]] = {}
+    seen: dict[str, list[BodyInfo]] = {}
+    for info in sorted(bodies, key=lambda b: _ident_order(b.identifier)):
+        earlier = seen.setdefault(info.region, [])
+        if not earlier:
+            reason, diffs, compared = f"first body of region '{info.region}'", [], None
+        else:
+            best = _closest(earlier, lambda e, info=info: key_differences(e.key, info.key, e.key_labels,
+                                                                              info.key_labels))
+            assert best is not None
+            other, diffs = best
+            compared = other.identifier
+            if not diffs:
+                diffs = ["same cache key as " + other.identifier + ": two different regions share the name "
+                         f"'{info.region}' (defined twice?)"]
+            reason = "; ".join(diffs) + f" (vs {other.identifier})"
+        earlier.append(info)
+        report = BodyReport(
+            info.identifier, info.region, info.calls, info.trace_seconds, reason, tuple(diffs), compared,
+            effects(fwd, info.identifier), effects(bwd, info.identifier),
+            sizes.get(("forward" if bwd is not None else "program", info.identifier)),
+            sizes.get(("backward", info.identifier)) if bwd is not None else None,
+        )
+        by_region.setdefault(info.region, []).append(report)
+    # regions known to the program but without body info (e.g. a program made by an older capture)
+    known = {b.identifier for bs in by_region.values() for b in bs}
+    for ident, entry in (fwd.regions if fwd is not None else {}).items():
+        if ident not in known:
+            by_region.setdefault(entry.name, []).append(BodyReport(
+                ident, entry.name, 0, 0.0, "no body information recorded", (), None,
+                effects(fwd, ident), effects(bwd, ident),
+                sizes.get(("forward" if bwd is not None else "program", ident)), None))
+    return tuple(RegionReport(name, tuple(reports)) for name, reports in by_region.items())
+
+
+def _program_report(prog: Program | TrainingProgram, title: str, fn: Any, why: str | None = None,
+                    why_differences: Sequence[str] = (),
+                    compile_seconds: float | None = None) -> ProgramReport:
+    graphs: list[GraphSize] = []
+    sizes: dict[tuple[str, str], int] = {}
+    for half, p in _halves(prog):
+        graphs.append(_graph_size(half, "root", None, p.graph_module))
+        for attr, identifier, gm in subgraphs(p.graph_module):
+            g = _graph_size(half, attr, identifier, gm)
+            graphs.append(g)
+            sizes.setdefault((half, identifier), g.nodes)
+    stages: list[Stage] = []
+    halves = _halves(prog)
+    shared = 0
+    if len(halves) == 2:  # both halves carry the joint capture's record; count it once
+        fh, bh = halves[0][1].history, halves[1][1].history
+        while shared < min(len(fh), len(bh)) and fh[shared] == bh[shared]:
+            stages.append(Stage(fh[shared].name, fh[shared].seconds, ""))
+            shared += 1
+    for half, p in halves:
+        for record in p.history[shared:]:
+            stages.append(Stage(record.name, record.seconds, half if len(halves) == 2 else ""))
+    first = halves[0][1]
+    return ProgramReport(
+        title=title, training=isinstance(prog, TrainingProgram), form=first.form,
+        inputs=_describe_inputs(first, fn), token_keys=tuple(first.token_keys),
+        regions=_body_reports(prog, sizes), graphs=tuple(graphs), stages=tuple(stages), why=why,
+        why_differences=tuple(why_differences), compile_seconds=compile_seconds,
+    )
+
+
+def _signature_labels(cc: CompiledCallable, entry: CompiledEntry) -> tuple[str, ...]:
+    sig = entry.forward.signature
+    try:
+        names = _leaf_names(cc.fn, sig.spec, sig.spec.num_leaves)
+    except Exception:  # noqa: BLE001
+        names = [f"arg{i}" for i in range(sig.spec.num_leaves)]
+    return ("grad mode", "argument structure", "module state", *names)
+
+
+def _diff_module_key(cc: CompiledCallable, a: tuple, b: tuple) -> list[str]:
+    if a == b:
+        return []
+    module = cc._module
+    out = []
+    if module is not None and len(a) == len(b) == 2:
+        names = [n or type(module).__name__ for n, _ in module.named_modules()]
+        params = [n for n, _ in module.named_parameters()]
+        for name, x, y in zip(names, a[0], b[0]):
+            if x != y:
+                out.append(f"module '{name}': training {x} -> {y}")
+        for name, x, y in zip(params, a[1], b[1]):
+            if x != y:
+                out.append(f"parameter '{name}': requires_grad {x} -> {y}")
+    return out or ["module state differs"]
+
+
+def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
+    entries: list[tuple[tuple, CompiledEntry]] = [(key, e) for key, es in cc.cache.items() for e in es]
+    # compile order: CompiledEntry has no timestamp; programs keep their capture order by insertion
+    reports = []
+    done: list[tuple[tuple, CompiledEntry, tuple[str, ...]]] = []
+    name = getattr(cc.fn, "__name__", type(cc.fn).__name__)
+    for n, (key, entry) in enumerate(entries, 1):
+        labels = _signature_labels(cc, entry)
+        if not done:
+            why, diffs = "first call", []
+        else:
+            def diff(item: tuple, key: tuple = key, labels: tuple = labels) -> list[str]:
+                okey, _, olabels = item
+                if len(okey) != len(key) or olabels != labels:
+                    return key_differences(okey[:2], key[:2], olabels[:2], labels[:2]) or [
+                        f"argument structure: ({', '.join(olabels[3:])}) -> ({', '.join(labels[3:])})"]
+                out = _diff_part("grad mode", okey[0], key[0])
+                out += _diff_part("argument structure", okey[1], key[1])
+                out += _diff_module_key(cc, okey[2], key[2])
+                for label, x, y in zip(labels[3:], okey[3:], key[3:]):
+                    out.extend(_diff_part(label, x, y))
+                return out
+
+            best = _closest(done, diff)
+            assert best is not None
+            (_, other, _), diffs = best
+            other_n = next(i for i, (_, e, _) in enumerate(done, 1) if e is other)
+            if not diffs:
+                diffs = ["a tensor the function reads by identity (a parameter or global) changed "
+                         "requires_grad"]
+            why = "; ".join(diffs) + f" (vs signature {other_n})"
+        done.append((key, entry, labels))
+        reports.append(_program_report(entry.program, f"{name}, signature {n} of {len(entries)}", cc.fn, why,
+                                       diffs, entry.compile_seconds))
+    return reports
+
+
+def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None) -> list[str]:
+    notes = []
+    for p in programs:
+        for r in p.regions:
+            new = [b for b in r.bodies if b.new]
+            if not new:
+                continue
+            labels = sorted({d.split(":", 1)[0] for b in new for d in b.differences})
+            hint = ""
+            if any(lbl.startswith("argument '") for lbl in labels):
+                hint = (" Each value of a non-tensor argument gets its own body; pass values that vary as "
+                        "tensors to share one body.")
+            elif any("requires_grad" in d for b in new for d in b.differences):
+                hint = " Calls whose inputs differ in requires_grad cannot share a body."
+            elif any("shape" in d for b in new for d in b.differences):
+                hint = " Each input shape gets its own body."
+            notes.append(f"{p.title}: region '{r.name}' got {len(r.bodies)} bodies for {r.calls} calls "
+                         f"(differing: {', '.join(labels)}).{hint}")
+        for r in p.regions:
+            if r.calls == 1 and len(r.bodies) == 1:
+                notes.append(f"{p.title}: region '{r.name}' is called once; a region saves tracing only "
+                             "when its body is reused.")
+    slow = [s for p in programs for s in p.stages if s.name == "capture" and s.seconds > 1.0]
+    if slow:
+        notes.append(f"capture took {slow[0].seconds:.1f} s. The first capture in a process also pays "
+                     "one-time imports (FakeTensorMode loads torch._dynamo, seconds on a cold start); a "
+                     "second capture shows the steady cost.")
+    if compiled is not None and compiled.stats.compiles > 1:
+        notes.append(f"compiled {compiled.stats.compiles} signatures in "
+                     f"{sum(compiled.stats.compile_seconds) * 1e3:.1f} ms; each new signature (see 'why') "
+                     "captures again.")
+    return list(dict.fromkeys(notes))
+
+
+def explain(fn_or_compiled: Any, *args: Any, **kwargs: Any) -> Explanation:
+    """Explain what effectfx makes of ``fn(*args, **kwargs)`` (see the module docstring)."""
+    target = fn_or_compiled
+    if isinstance(target, CompiledCallable):
+        if args or kwargs:
+            target.entry_for(args, kwargs)  # compile these arguments' signature; runs nothing
+        programs = _compiled_reports(target)
+        name = getattr(target.fn, "__name__", type(target.fn).__name__)
+        return Explanation(f"efx.compile({name})", tuple(programs), True, target.stats.compiles,
+                           target.stats.calls, tuple(_notes(programs, target)))
+    if isinstance(target, (Program, TrainingProgram)):
+        name = target.forward.name if isinstance(target, TrainingProgram) else target.name
+        report = _program_report(target, name, None)
+        return Explanation(name, (report,), notes=tuple(_notes([report], None)))
+    if not callable(target):
+        raise TypeError(f"efx.explain: expected a function, module, efx.compile'd callable or Program, "
+                        f"got {type(target).__name__}")
+    from .capture.capture import capture
+
+    prog = capture(target, *args, **kwargs)
+    name = getattr(target, "__name__", type(target).__name__)
+    report = _program_report(prog, name, target)
+    return Explanation(name, (report,), notes=tuple(_notes([report], None)))
+
+
+# -- rendering -------------------------------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _keys(keys: tuple[str, ...] | None) -> str:
+    if keys is None:
+        return "?"
+    return ", ".join(keys) if keys else "-"
+
+
+def _render_program(p: ProgramReport, lines: list[str], indent: str = "") -> None:
+    kind = "training program (forward + backward)" if p.training else "program"
+    lines.append(f"{indent}{p.title}: {kind}, {p.form} form")
+    if p.compile_seconds is not None:
+        lines.append(f"{indent}  compiled in {_ms(p.compile_seconds)}; why: {p.why}")
+    lines.append(f"{indent}  inputs: {p.inputs}")
+    if p.token_keys:
+        lines.append(f"{indent}  tokens at the root: {', '.join(p.token_keys)}")
+    n_bodies = sum(len(r.bodies) for r in p.regions)
+    n_calls = sum(r.calls for r in p.regions)
+    lines.append(f"{indent}  regions: {len(p.regions)} region(s), {n_bodies} body(ies), {n_calls} call(s)")
+    if not p.regions:
+        lines.append(f"{indent}    (none: mark a repeated function or module method with @efx.region)")
+    for r in p.regions:
+        effects = f"effects: {_keys(r.forward_effects)}"
+        if p.training:
+            effects = (f"forward effects: {_keys(r.forward_effects)}; "
+                       f"backward effects: {_keys(r.backward_effects)}")
+        lines.append(f"{indent}    {r.name}: {len(r.bodies)} body(ies), {r.calls} call(s); {effects}")
+        for b in r.bodies:
+            size = f"{b.forward_nodes if b.forward_nodes is not None else '?'} nodes"
+            eff = f"effects {_keys(b.forward_effects)}"
+            if p.training and b.backward_nodes is None:
+                size += " (no backward: its inputs need no grad)"
+            elif p.training:
+                size = f"forward {size} / backward {b.backward_nodes} nodes"
+                eff += f" | backward {_keys(b.backward_effects)}"
+            lines.append(f"{indent}      {b.identifier}: {b.calls} call(s), traced in "
+                         f"{_ms(b.trace_seconds)}, {size}, {eff}")
+            lines.append(f"{indent}        why: {b.reason}")
+    lines.append(f"{indent}  graphs (nodes / ops / effects / region calls):")
+    width = max((len(g.graph) for g in p.graphs), default=4)
+    for g in p.graphs:
+        half = f"{g.program:<8} " if p.training else ""
+        ident = f" '{g.identifier}'" if g.identifier else ""
+        lines.append(f"{indent}    {half}{g.graph:<{width}} {g.nodes:>5} / {g.ops:>4} / {g.effects:>3} / "
+                     f"{g.region_calls:>3}{ident}")
+    lines.append(f"{indent}  time per stage:")
+    for s in p.stages:
+        where = f" ({s.program})" if s.program else ""
+        lines.append(f"{indent}    {s.name + where:<28} {_ms(s.seconds):>10}")
+    lines.append(f"{indent}    {'total':<28} {_ms(p.total_seconds):>10}")
+
+
+def _render(e: Explanation) -> str:
+    lines = [f"effectfx explain: {e.target}"]
+    if e.compiled:
+        lines.append(f"  {e.compiles} compiled signature(s), {e.calls} call(s) so far")
+        if not e.programs:
+            lines.append("  nothing compiled yet: call it once, or pass example arguments to explain")
+    for p in e.programs:
+        lines.append("")
+        _render_program(p, lines)
+    if e.notes:
+        lines.append("")
+        lines.append("notes:")
+        lines.extend(f"  - {n}" for n in e.notes)
+    return "\n".join(lines)
+
+
+__all__ = ["BodyReport", "Explanation", "GraphSize", "ProgramReport", "RegionReport", "Stage", "explain",
+           "key_differences"]
