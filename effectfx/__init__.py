@@ -25,6 +25,10 @@ from .errors import (
     VerificationError,
 )
 from .explain import Explanation, explain
+from .passes.dce import dead_code_elimination
+from .passes.remove_tokens import remove_effect_tokens
+from .passes.unlift import unlift_tokens
+from .passes.verify import verify
 from .regions import region
 from .runtime.compile import CompiledCallable, compile
 from .runtime.program import Program, TrainingProgram
@@ -35,4 +39,5 @@ __all__ = [
     "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "capture", "compile",
     "effect_of", "explain", "Explanation", "ops", "region", "register_effect",
+    "dead_code_elimination", "remove_effect_tokens", "unlift_tokens", "verify",
 ]
