@@ -1,0 +1,160 @@
+"""``effectfx fuzz``: differential fuzzing of generated programs against eager PyTorch.
+
+Generates ``--programs`` random programs (``effectfx.testing.generator``, driven by hypothesis with
+``--seed``), runs each in eager, through every form in ``effectfx.testing.differential.FORMS`` and
+through ``efx.compile`` with backward, and compares outputs, gradients and effect logs.  Prints a progress
+bar on stderr and a summary on stdout; on any failure, minimizes one program per kind of failure and
+saves it as a standalone reproducer in ``--out``, and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--programs", type=int, default=200, help="how many programs to generate")
+    parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (same seed, same programs)")
+    parser.add_argument("--out", default="fuzz-failures", help="directory for minimized reproducers")
+    parser.add_argument("--forms", default="", help="comma-separated forms to check (default: all FORMS)")
+    parser.add_argument("--exclude", action="append", default=[], metavar="KIND",
+                        help="statement kind or effect op generated programs must not use "
+                             "(e.g. nograd, inplace, loop, scale); repeatable")
+    parser.add_argument("--max-regions", type=int, default=4)
+    parser.add_argument("--max-stmts", type=int, default=6)
+    parser.add_argument("--max-repros", type=int, default=3,
+                        help="minimize and save at most this many failures (one per kind)")
+    parser.add_argument("--shrink-seconds", type=float, default=120.0, help="time budget per minimization")
+
+
+@dataclass
+class Stats:
+    programs: int = 0
+    comparisons: int = 0
+    effects_compared: int = 0
+    failing_programs: int = 0
+    mismatches: int = 0  # failed comparisons (outputs/gradients/effect logs)
+    errors: int = 0  # exceptions on programs effectfx should support
+    by_kind: Counter = field(default_factory=Counter)
+    features: Counter = field(default_factory=Counter)
+    first_failure: dict = field(default_factory=dict)  # label -> (spec, outcome)
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total, self.width = max(total, 1), width
+        self.start = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self.last_decile = -1
+
+    def update(self, done: int, failing: int) -> None:
+        rate = done / max(time.monotonic() - self.start, 1e-9)
+        filled = int(self.width * done / self.total)
+        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} programs "
+                f"{rate:.1f}/s  failing {failing}")
+        if self.tty:
+            sys.stderr.write("\r" + line)
+            sys.stderr.flush()
+        elif done * 10 // self.total != self.last_decile or done == self.total:
+            self.last_decile = done * 10 // self.total
+            sys.stderr.write(line + "\n")
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:60]
+
+
+def run(args: argparse.Namespace) -> int:
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+
+    from ..testing import differential
+    from ..testing.generator import check_program, fails_like, programs, reproducer_source, shrink
+
+    forms = tuple(f for f in args.forms.split(",") if f) or None
+    if forms is not None:
+        unknown = [f for f in forms if f not in differential.FORMS]
+        if unknown:
+            print(f"unknown form(s) {unknown}; FORMS has {sorted(differential.FORMS)}", file=sys.stderr)
+            return 2
+    stats = Stats()
+    progress = Progress(args.programs)
+    strategy = programs(max_regions=args.max_regions, max_stmts=args.max_stmts, exclude=tuple(args.exclude))
+    started = time.monotonic()
+
+    @seed(args.seed)
+    @settings(max_examples=args.programs, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(strategy)
+    def one(spec: object) -> None:
+        if stats.programs >= args.programs:
+            return
+        outcome = check_program(spec, forms)  # type: ignore[arg-type]
+        stats.programs += 1
+        stats.comparisons += outcome.comparisons
+        stats.effects_compared += outcome.effects_compared
+        stats.features.update(spec.features())  # type: ignore[attr-defined]
+        if outcome.failures:
+            stats.failing_programs += 1
+            for f in outcome.failures:
+                if f.kind.startswith("error"):
+                    stats.errors += 1
+                else:
+                    stats.mismatches += 1
+            for label in outcome.kinds():
+                stats.by_kind[label] += 1
+                stats.first_failure.setdefault(label, (spec, outcome))
+        progress.update(stats.programs, stats.failing_programs)
+
+    try:
+        one()
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+    progress.close()
+    elapsed = time.monotonic() - started
+
+    saved = []
+    if stats.first_failure:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        done_specs: set[int] = set()
+        for label, (spec, _) in list(stats.first_failure.items())[: args.max_repros]:
+            if id(spec) in done_specs:
+                continue
+            print(f"minimizing a program failing with {label} ...", file=sys.stderr)
+            small = shrink(spec, fails_like(frozenset([label]), forms), budget_seconds=args.shrink_seconds)
+            final = check_program(small, forms)
+            note = f"effectfx fuzz --seed {args.seed}: {label}\n\n" + final.report()
+            path = out / f"repro_{len(saved)}_{_slug(label)}.py"
+            path.write_text(reproducer_source(small, note[:4000]))
+            saved.append((label, path, spec.size(), small.size()))
+            done_specs.add(id(spec))
+
+    forms_run = forms or tuple(differential.FORMS)
+    print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")
+    print(f"  forms checked      : {', '.join(forms_run)}, compile (x2 + new inputs, with backward)")
+    print(f"  comparisons        : {stats.comparisons}")
+    print(f"  effects compared   : {stats.effects_compared}")
+    print(f"  mismatches         : {stats.mismatches}")
+    print(f"  errors             : {stats.errors}")
+    print(f"  failing programs   : {stats.failing_programs}")
+    if stats.by_kind:
+        print("  failures by kind   :")
+        for label, n in stats.by_kind.most_common():
+            print(f"    {n:6d}  {label}")
+    for label, path, before, after in saved:
+        print(f"  reproducer         : {path}  ({label}; size {before} -> {after})")
+    covered = ", ".join(f"{k} {v}" for k, v in sorted(stats.features.items()))
+    print(f"  coverage (programs): {covered}")
+    return 1 if stats.failing_programs else 0
