@@ -1,0 +1,67 @@
+"""Smoke test of ``effectfx bench --quick``: it runs, and its JSON and PNG hold sane numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("matplotlib")
+if not (ROOT / "benchmarks" / "first_call.py").is_file():  # pragma: no cover - installed without sources
+    pytest.skip("benchmarks/ not in this checkout", allow_module_level=True)
+
+
+def _finite_positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_quick(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "effectfx", "bench", "--quick", "--out", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "effectfx bench [" in proc.stderr  # the progress bar
+    assert "first call, inference" in proc.stdout and "steady state" in proc.stdout
+
+    first = json.loads((tmp_path / "first_call.json").read_text())
+    runtime = json.loads((tmp_path / "runtime.json").read_text())
+    png = (tmp_path / "first_call.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    for data in (first, runtime):
+        machine = data["machine"]
+        assert machine["torch"].startswith("2.") and machine["timestamp"] and machine["cpu_count"]
+
+    assert first["config"]["quick"] is True
+    ns = first["config"]["ns"]
+    results = first["results"]
+    assert {(r["system"], r["mode"], r["n"]) for r in results} == {
+        (s, m, n) for s in ("efx", "tc", "eager") for m in ("inference", "training") for n in ns
+    }
+    for r in results:
+        assert _finite_positive(r["median_s"]) and r["median_s"] < 120, r
+    for r in results:
+        if r["system"] in ("efx", "eager"):  # effectfx must be right; torch.compile is only recorded
+            assert r["ok"] and r["matches_eager"] and r["effects_correct"], r
+            assert r["effects_per_call"] == [r["n"]]
+    for mode in ("inference", "training"):
+        s = first["summary"][mode]
+        assert _finite_positive(s["efx_growth"])
+        for row in s["by_n"].values():
+            assert _finite_positive(row["tc_over_efx"]) and _finite_positive(row["efx_over_eager"])
+
+    assert {(r["width"], r["mode"]) for r in runtime["results"]} == {(64, "inference"), (64, "training")}
+    for r in runtime["results"]:
+        for name in ("eager", "efx", "eager_noeffect", "efx_noeffect", "op"):
+            assert _finite_positive(r["median_us"][name]) and r["median_us"][name] < 1e6, (name, r)
+        assert _finite_positive(r["efx_over_eager"])
+        assert r["systems"]["efx"]["effects_per_call"] == 16 and r["systems"]["efx"]["status"] == "ok"
+        assert r["systems"]["efx_noeffect"]["effects_per_call"] == 0
+        assert math.isfinite(r["per_effect"]["efx_us"]) and _finite_positive(r["per_effect"]["op_eager_us"])
