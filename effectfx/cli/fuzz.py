@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if stats.first_failure:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        done_specs: set[int] = set()
-        for label, (spec, _) in list(stats.first_failure.items())[: args.max_repros]:
-            if id(spec) in done_specs:
+        covered: set[str] = set()
+        for label, (spec, _) in stats.first_failure.items():
+            if label in covered or len(saved) >= args.max_repros:
                 continue
             print(f"minimizing a program failing with {label} ...", file=sys.stderr)
             small = shrink(spec, fails_like(frozenset([label]), forms), budget_seconds=args.shrink_seconds)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             path = out / f"repro_{len(saved)}_{_slug(label)}.py"
             path.write_text(reproducer_source(small, note[:4000]))
             saved.append((label, path, spec.size(), small.size()))
-            done_specs.add(id(spec))
+            covered |= final.kinds() | {label}
 
     forms_run = forms or tuple(differential.FORMS)
     print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")

@@ -567,6 +567,17 @@ def _replace_body(spec: ProgramSpec, where: str, body: Body) -> ProgramSpec:
         dataclasses.replace(r, body=body) if r.name == where else r for r in spec.regions))
 
 
+def _drop_input(spec: ProgramSpec, i: int, instead: int) -> ProgramSpec:
+    """``spec`` without input ``x<i>``: reads of it read ``x<instead>``, later inputs move down."""
+    names = {f"x{i}": f"x{instead - (instead > i)}"}
+    names.update({f"x{k}": f"x{k - 1}" for k in range(i + 1, len(spec.inputs))})
+    forward = spec.forward
+    stmts = tuple(s.renamed(names) for s in forward.stmts)
+    returns = tuple(names.get(r, r) for r in forward.returns)
+    return dataclasses.replace(spec, inputs=spec.inputs[:i] + spec.inputs[i + 1:],
+                               forward=Body(forward.params[:-1], stmts, returns))
+
+
 def _candidates(spec: ProgramSpec) -> Iterator[ProgramSpec]:
     """Simpler variants of ``spec``, the most drastic first."""
     for r in spec.regions:  # drop a whole region (and its calls)
@@ -592,13 +603,10 @@ def _candidates(spec: ProgramSpec) -> Iterator[ProgramSpec]:
     for i, rg in enumerate(spec.inputs):
         if rg:
             yield dataclasses.replace(spec, inputs=spec.inputs[:i] + (False,) + spec.inputs[i + 1:])
-    if len(spec.inputs) > 1:  # drop the last input; reads of it read x0
-        last = f"x{len(spec.inputs) - 1}"
-        forward = spec.forward
-        stmts = tuple(s.renamed({last: "x0"}) for s in forward.stmts)
-        returns = tuple("x0" if r == last else r for r in forward.returns)
-        yield dataclasses.replace(spec, inputs=spec.inputs[:-1],
-                                  forward=Body(forward.params[:-1], stmts, returns))
+    for i in range(len(spec.inputs)):  # drop an input; reads of it read another input
+        for j in range(len(spec.inputs)):
+            if j != i:
+                yield _drop_input(spec, i, j)
     for i, rg in enumerate(spec.weights):
         if rg:
             yield dataclasses.replace(spec, weights=spec.weights[:i] + (False,) + spec.weights[i + 1:])
