@@ -1,0 +1,249 @@
+"""efx.compile's cache (issue 3, point 1) and inspection (point 5): what reuses a program, what recompiles,
+and that every cached program still agrees with eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import effectfx as efx
+from effectfx.testing import recording
+
+R = torch.ops.efxtest
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 4, p: float = 0.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    @efx.region
+    def forward(self, x):
+        R.record_memory("train" if self.training else "eval")
+        return self.drop(torch.relu(self.lin(x))) + x
+
+
+class Model(nn.Module):
+    def __init__(self, n: int = 2, d: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.factor = 2
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x * self.factor
+
+
+def pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    m = Model()
+    return m, copy.deepcopy(m)
+
+
+def same_run(eager_fn, compiled_fn, x: torch.Tensor) -> torch.Tensor:
+    """Outputs, effect logs (and input grads when x requires grad) agree; returns the compiled output."""
+    xe = x.detach().clone().requires_grad_(x.requires_grad)
+    xc = x.detach().clone().requires_grad_(x.requires_grad)
+    with recording() as elog:
+        eout = eager_fn(xe)
+        if eout.requires_grad:
+            eout.sum().backward()
+    with recording() as clog:
+        cout = compiled_fn(xc)
+        if cout.requires_grad:
+            cout.sum().backward()
+    assert clog == elog
+    assert torch.allclose(eout, cout, rtol=1e-5, atol=1e-6)
+    assert eout.requires_grad == cout.requires_grad
+    if x.requires_grad:
+        assert torch.allclose(xe.grad, xc.grad, rtol=1e-5, atol=1e-6)
+    return cout
+
+
+def test_same_signature_reuses_the_program():
+    eager, model = pair()
+    cm = efx.compile(model)
+    for seed in range(3):
+        same_run(eager, cm, torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)))
+    assert cm.stats.compiles == 1
+    assert cm.stats.calls == 3
+    assert len(cm.programs()) == 1
+
+
+def test_shape_change_recompiles_and_old_shape_is_cached():
+    eager, model = pair(1)
+    cm = efx.compile(model)
+    same_run(eager, cm, torch.randn(3, 4))
+    same_run(eager, cm, torch.randn(5, 4))
+    assert cm.stats.compiles == 2
+    same_run(eager, cm, torch.randn(3, 4))
+    same_run(eager, cm, torch.randn(5, 4))
+    assert cm.stats.compiles == 2
+    assert cm.stats.calls == 4
+
+
+def test_dtype_change_recompiles():
+    @efx.region
+    def r(x):
+        R.record_memory("r")
+        return x * 3
+
+    f = lambda x: r(r(x))  # noqa: E731
+    cf = efx.compile(f)
+    same_run(f, cf, torch.randn(3))
+    out = same_run(f, cf, torch.randn(3, dtype=torch.float64))
+    assert out.dtype == torch.float64
+    assert cf.stats.compiles == 2
+
+
+def test_requires_grad_change_recompiles():
+    eager, model = pair(2)
+    model.requires_grad_(False)
+    eager.requires_grad_(False)
+    cm = efx.compile(model)
+    same_run(eager, cm, torch.randn(2, 4))
+    assert not isinstance(cm.programs()[0], efx.TrainingProgram)
+    same_run(eager, cm, torch.randn(2, 4).requires_grad_())
+    assert cm.stats.compiles == 2
+    assert sum(isinstance(p, efx.TrainingProgram) for p in cm.programs()) == 1
+
+
+def test_freezing_parameters_recompiles():
+    eager, model = pair(3)
+    cm = efx.compile(model)
+    x = torch.randn(2, 4)
+    same_run(eager, cm, x)
+    model.zero_grad(set_to_none=True)
+    model.blocks[0].requires_grad_(False)
+    eager.blocks[0].requires_grad_(False)
+    with recording():
+        cm(x).sum().backward()
+    assert cm.stats.compiles == 2
+    assert model.blocks[0].lin.weight.grad is None
+    assert model.blocks[1].lin.weight.grad is not None
+
+
+def test_no_grad_gives_an_inference_program():
+    eager, model = pair(4)
+    cm = efx.compile(model)
+    x = torch.randn(2, 4)
+    same_run(eager, cm, x)  # training program
+    with torch.no_grad():
+        out = same_run(eager, cm, x)
+    assert out.grad_fn is None and not out.requires_grad
+    assert cm.stats.compiles == 2
+    kinds = sorted(type(p).__name__ for p in cm.programs())
+    assert kinds == ["Program", "TrainingProgram"]
+    inference = next(p for p in cm.programs() if not isinstance(p, efx.TrainingProgram))
+    assert "backward" not in inference.code()
+    with torch.no_grad():
+        same_run(eager, cm, x)
+    assert cm.stats.compiles == 2
+
+
+def test_eval_and_train_recompile():
+    eager, model = pair(5)
+    cm = efx.compile(model)
+    x = torch.randn(2, 4)
+    with recording() as log:
+        cm(x)
+    assert log[0] == ("record_memory", "train")
+    eager.eval()
+    model.eval()
+    same_run(eager, cm, x)
+    with recording() as log:
+        cm(x)
+    assert log == [("record_memory", "eval")] * 2
+    assert cm.stats.compiles == 2
+    eager.train()
+    model.train()
+    same_run(eager, cm, x)
+    assert cm.stats.compiles == 2  # the train() program was cached
+
+
+def test_dropout_eval_is_deterministic_after_recompile():
+    torch.manual_seed(6)
+    model = Model()
+    model.blocks[0].drop.p = 0.5
+    cm = efx.compile(model)
+    x = torch.randn(4, 4)
+    model.eval()
+    with recording(), torch.no_grad():
+        expected = model(x)
+        a, b = cm(x), cm(x)
+    assert torch.equal(a, b) and torch.allclose(a, expected)
+
+
+def test_non_tensor_argument_change_recompiles():
+    @efx.region
+    def r(x, k: int):
+        R.record_memory(f"k={k}")
+        return x * k
+
+    f = lambda x, k: r(x, k) + r(x, k + 1)  # noqa: E731
+    cf = efx.compile(f)
+    x = torch.randn(3)
+    for k in (1, 2, 1):
+        with recording() as elog:
+            expected = f(x, k)
+        with recording() as log:
+            got = cf(x, k)
+        assert log == elog and torch.allclose(got, expected)
+    assert cf.stats.compiles == 2
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: efx.compile's signature ignores plain module attributes "
+                   "(only .training and requires_grad), so a changed attribute reuses a stale program")
+def test_plain_module_attribute_change_recompiles():
+    eager, model = pair(7)
+    cm = efx.compile(model)
+    x = torch.randn(2, 4)
+    same_run(eager, cm, x)
+    model.factor = 5
+    eager.factor = 5
+    same_run(eager, cm, x)
+
+
+# -- inspection -------------------------------------------------------------------------------------
+def test_programs_are_inspectable():
+    eager, model = pair(8)
+    cm = efx.compile(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with recording():
+        cm(x).sum().backward()
+    (prog,) = cm.programs()
+    assert isinstance(prog, efx.TrainingProgram)
+    assert isinstance(prog.forward, efx.Program) and isinstance(prog.backward, efx.Program)
+    assert prog.forward.region_traces == {"subgraph_0": 1}
+    assert prog.backward.region_traces == {"subgraph_0": 1}
+    assert prog.region_traces == prog.forward.region_traces
+    text = str(prog)
+    assert str(prog.forward) in text and str(prog.backward) in text
+    assert "(forward)" in str(prog.forward) and "(backward)" in str(prog.backward)
+    assert "def Block_forward_subgraph0(" in str(prog.forward)
+    assert "def Block_forward_subgraph0_backward(" in str(prog.backward)
+    assert "compiled signature" in repr(cm)
+    # a printed program is runnable code: every graph module has code
+    for gm in (prog.forward.graph_module, *prog.forward.subgraphs().values(),
+               prog.backward.graph_module, *prog.backward.subgraphs().values()):
+        assert gm.code.strip().startswith("def forward(")
+
+
+def test_compile_of_a_plain_function_and_a_bound_method():
+    @efx.region
+    def r(x):
+        R.record_stdout("r")
+        return x.exp()
+
+    def f(x):
+        return r(x) * r(x)
+
+    x = torch.randn(3, requires_grad=True)
+    same_run(f, efx.compile(f), x)
+    eager, model = pair(9)
+    same_run(eager.forward, efx.compile(model.forward), torch.randn(2, 4))
