@@ -77,13 +77,18 @@ class CompiledCallable:
         self._lock = threading.Lock()
         module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         self._module = module if isinstance(module, torch.nn.Module) else None
+        self._submodules: list[torch.nn.Module] | None = None
+        self._parameters: list[torch.nn.Parameter] = []
         self.__wrapped__ = fn
 
     def _module_key(self) -> tuple:
-        m = self._module
-        if m is None:
+        if self._module is None:
             return ()
-        return (tuple(sub.training for sub in m.modules()), tuple(p.requires_grad for p in m.parameters()))
+        if self._submodules is None:  # walking the module tree on every call would cost more than eager
+            self._submodules = list(self._module.modules())
+            self._parameters = list(self._module.parameters())
+        return (tuple([sub.training for sub in self._submodules]),
+                tuple([p.requires_grad for p in self._parameters]))
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
         leaves, spec = tree_flatten((args, kwargs))
