@@ -32,6 +32,7 @@ from .passes.verify import verify
 from .regions import region
 from .runtime.compile import CompiledCallable, compile
 from .runtime.program import Program, TrainingProgram
+from .runtime.serialize import load
 
 __all__ = [
     "BackendError", "CaptureError", "CompiledCallable", "DataDependentControlFlowError", "EffectfxError",
@@ -39,5 +40,5 @@ __all__ = [
     "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "capture", "compile",
     "effect_of", "explain", "Explanation", "ops", "region", "register_effect",
-    "dead_code_elimination", "remove_effect_tokens", "unlift_tokens", "verify",
+    "dead_code_elimination", "load", "remove_effect_tokens", "unlift_tokens", "verify",
 ]

@@ -127,6 +127,12 @@ class Program:
     def replace(self, **changes: Any) -> Program:
         return dataclasses.replace(self, **changes)
 
+    def save(self, path: Any) -> None:
+        """Write this token-free program to ``path``; read it back with ``efx.load`` (runtime.serialize)."""
+        from .serialize import save
+
+        save(self, path)
+
     # -- running ---------------------------------------------------------------------------------
     def run_flat(self, tensors: list[Any]) -> list[Any]:
         """Run the root graph on its tensor inputs (no tokens); returns all outputs without tokens."""
@@ -191,6 +197,12 @@ class TrainingProgram:
     @property
     def region_traces(self) -> dict[str, int]:
         return self.forward.region_traces
+
+    def save(self, path: Any) -> None:
+        """Write both token-free halves to ``path``; read them back with ``efx.load``."""
+        from .serialize import save
+
+        save(self, path)
 
     def map(self, fn: Any) -> TrainingProgram:
         """Apply a ``Program -> Program`` pass to both halves."""

@@ -1,0 +1,327 @@
+"""Saving token-free Programs to disk and loading them back, without pickled code.
+
+Format (version 1): a zip file with two members.
+
+``program.json``::
+
+    {"format": "effectfx-program", "version": 1, "kind": "program" | "training",
+     "program": PROGRAM}                                   # kind "program"
+     "forward": PROGRAM, "backward": PROGRAM,              # kind "training"
+     "tangent_mask": [bool], "grad_mask": [bool]}
+
+    PROGRAM = {"name", "form": "token-free", "n_extra_outputs", "history": [[pass, seconds]],
+               "signature": {"spec": TREESPEC, "tensors": [[leaf index, META]],
+                             "constants": [[index, VALUE]]},
+               "out_spec": TREESPEC, "out_layout": [[kind, VALUE]],
+               "regions": {id: {"name", "traces", "effects"}},
+               "lifted": [tensor name], "root": GRAPH ID, "graphs": {GRAPH ID: GRAPH}}
+    GRAPH   = {"class": str, "attrs": {attr: {"graph": GRAPH ID} | {"tensor": tensor name}}, "nodes": [NODE]}
+    NODE    = {"name", "op": placeholder|get_attr|call_function|output, "target": TARGET, "args": [VALUE],
+               "kwargs": {str: VALUE}, "val": META | null}
+    TARGET  = "aten::add.Tensor" (an operator by qualified name and overload) | "operator.getitem" |
+              "effectfx.ops.invoke_subgraph" | attribute / placeholder name
+    VALUE   = null | bool | int | float | str | [VALUE] (a list) | {"tuple": [VALUE]} | {"node": name} |
+              {"float": "inf"|"-inf"|"nan"} | {"dtype": "float32"} | {"device": "cpu"} |
+              {"layout": "strided"} | {"memory_format": "contiguous_format"}
+    META    = {"shape": [int], "stride": [int], "dtype": "float32", "device": "cpu", "requires_grad": bool}
+    TREESPEC = torch.utils._pytree.treespec_dumps text
+
+``tensors.pt``: ``torch.save`` of a flat ``{name: Tensor}`` dict (loaded with ``weights_only=True``): the
+lifted tensors (parameters and buffers) and any tensor attribute of a graph.
+
+Lifted parameters are saved **by value**: the loaded program owns copies and is tied to no module.
+
+Loading executes no code from the file: call targets resolve only to registered ``torch.ops`` operators
+(checked to be an ``OpOverload``) or to the allow-list :data:`PYTHON_TARGETS`.  A subgraph shared by many call
+sites is saved once and stays shared after loading.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import operator
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import treespec_dumps, treespec_loads
+
+from .. import ops
+from ..capture.meta import TensorMeta
+from ..errors import EffectfxError
+from ..graphs import graph_module
+from .program import InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+
+FORMAT = "effectfx-program"
+VERSION = 1
+PYTHON_TARGETS: dict[str, Any] = {
+    "operator.getitem": operator.getitem,
+    "effectfx.ops.invoke_subgraph": ops.invoke_subgraph,
+}
+_PYTHON_NAMES = {id(v): k for k, v in PYTHON_TARGETS.items()}
+_ENUMS: dict[str, tuple[type, dict[str, Any]]] = {
+    "layout": (torch.layout, {str(v).removeprefix("torch."): v for v in (torch.strided, torch.sparse_coo)}),
+    "memory_format": (torch.memory_format, {
+        str(v).removeprefix("torch."): v
+        for v in (torch.contiguous_format, torch.channels_last, torch.preserve_format, torch.channels_last_3d)
+    }),
+}
+
+
+class SerializationError(EffectfxError):
+    """A program cannot be saved in (or loaded from) the effectfx program format."""
+
+
+# -- saving ---------------------------------------------------------------------------------------
+class _Saver:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.graph_ids: dict[int, str] = {}
+        self.graphs: dict[str, dict] = {}
+
+    def tensor(self, t: torch.Tensor, prefix: str) -> str:
+        name = f"{prefix}{len(self.tensors)}"
+        self.tensors[name] = t.detach().clone()
+        return name
+
+    def program(self, prog: Program, prefix: str) -> dict:
+        if prog.form != "token-free":
+            raise SerializationError(
+                f"{prog.name!r} is in the {prog.form} form; only the token-free form is saved. Run "
+                "efx.remove_effect_tokens(prog) first (or use a program from efx.compile)."
+            )
+        self.graphs = {}
+        root = self.graph(prog.graph_module)
+        return {
+            "name": prog.name, "form": prog.form, "n_extra_outputs": prog.n_extra_outputs,
+            "history": [[r.name, r.seconds] for r in prog.history],
+            "signature": {
+                "spec": _dumps_spec(prog.signature.spec),
+                "tensors": [[i, _meta(m)] for i, m in prog.signature.tensor_meta],
+                "constants": [[i, _value(v)] for i, v in prog.signature.constants],
+            },
+            "out_spec": _dumps_spec(prog.out_spec),
+            "out_layout": [[kind, _value(v)] for kind, v in prog.out_layout],
+            "regions": {ident: {"name": e.name, "traces": e.traces,
+                                "effects": sorted(e.effects) if e.effects is not None else None}
+                        for ident, e in prog.regions.items()},
+            "lifted": [self.tensor(t, f"{prefix}lifted.") for t in prog.lifted],
+            "root": root, "graphs": self.graphs,
+        }
+
+    def graph(self, gm: fx.GraphModule) -> str:
+        if id(gm) in self.graph_ids and self.graph_ids[id(gm)] in self.graphs:
+            return self.graph_ids[id(gm)]
+        gid = self.graph_ids[id(gm)] = f"g{len(self.graph_ids)}"
+        entry: dict[str, Any] = {"class": type(gm).__name__, "attrs": {}, "nodes": []}
+        self.graphs[gid] = entry
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                value = getattr(gm, node.target)
+                entry["attrs"][node.target] = (
+                    {"graph": self.graph(value)} if isinstance(value, fx.GraphModule)
+                    else {"tensor": self.tensor(value, "attr.")} if isinstance(value, torch.Tensor)
+                    else _unsupported(f"attribute {node.target} of type {type(value).__name__}")
+                )
+            entry["nodes"].append(self.node(node))
+        return gid
+
+    def node(self, node: fx.Node) -> dict:
+        if node.op not in ("placeholder", "get_attr", "call_function", "output"):
+            _unsupported(f"node {node.name} with op {node.op}")
+        target: Any = node.target
+        if node.op == "call_function":
+            target = _target_name(target, node)
+        val = node.meta.get("val")
+        return {"name": node.name, "op": node.op, "target": target,
+                "args": [_value(a) for a in node.args],
+                "kwargs": {k: _value(v) for k, v in node.kwargs.items()},
+                "val": _meta(TensorMeta.of(val)) if isinstance(val, torch.Tensor) else None}
+
+
+def _unsupported(what: str) -> Any:
+    raise SerializationError(f"cannot save {what}: the program format has no encoding for it.")
+
+
+def _target_name(target: Any, node: fx.Node) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target._schema.name}.{target._overloadname}"
+    name = _PYTHON_NAMES.get(id(target))
+    if name is None:
+        _unsupported(f"the call target {target!r} of {node.name} (only torch.ops operators and "
+                     f"{sorted(PYTHON_TARGETS)} are allowed)")
+    return name  # type: ignore[return-value]
+
+
+def _value(v: Any) -> Any:
+    if isinstance(v, fx.Node):
+        return {"node": v.name}
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"float": str(v)}
+    if isinstance(v, list):
+        return [_value(x) for x in v]
+    if isinstance(v, tuple):
+        return {"tuple": [_value(x) for x in v]}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    for kind, (cls, _) in _ENUMS.items():
+        if isinstance(v, cls):
+            return {kind: str(v).removeprefix("torch.")}
+    return _unsupported(f"the value {v!r} ({type(v).__name__})")
+
+
+def _meta(m: TensorMeta) -> dict:
+    return {"shape": list(m.shape), "stride": list(m.stride), "dtype": str(m.dtype).removeprefix("torch."),
+            "device": str(m.device), "requires_grad": m.requires_grad}
+
+
+def _dumps_spec(spec: Any) -> str:
+    try:
+        return treespec_dumps(spec)
+    except Exception as e:  # types pytree cannot serialize (user classes)
+        raise SerializationError(f"cannot save the argument/result structure {spec}: {e}") from e
+
+
+def save(prog: Program | TrainingProgram, path: str | Path) -> None:
+    """Write a token-free Program or TrainingProgram to ``path`` (see the module docstring for the format)."""
+    saver = _Saver()
+    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
+    if isinstance(prog, TrainingProgram):
+        doc.update(kind="training", forward=saver.program(prog.forward, "forward."),
+                   backward=saver.program(prog.backward, "backward."),
+                   tangent_mask=list(prog.tangent_mask), grad_mask=list(prog.grad_mask))
+    else:
+        doc.update(kind="program", program=saver.program(prog, ""))
+    buffer = io.BytesIO()
+    torch.save(saver.tensors, buffer)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("program.json", json.dumps(doc, indent=1))
+        zf.writestr("tensors.pt", buffer.getvalue())
+
+
+# -- loading --------------------------------------------------------------------------------------
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise SerializationError(f"unknown dtype {name!r} in the file.")
+    return value
+
+
+def _load_value(v: Any, env: dict[str, fx.Node]) -> Any:
+    if isinstance(v, list):
+        return [_load_value(x, env) for x in v]
+    if not isinstance(v, dict):
+        return v
+    (kind, payload), = v.items()
+    if kind == "node":
+        return env[payload]
+    if kind == "tuple":
+        return tuple(_load_value(x, env) for x in payload)
+    if kind == "float":
+        return float(payload)
+    if kind == "dtype":
+        return _dtype(payload)
+    if kind == "device":
+        return torch.device(payload)
+    if kind in _ENUMS:
+        return _ENUMS[kind][1][payload]
+    raise SerializationError(f"unknown value encoding {kind!r} in the file.")
+
+
+def _load_target(name: str) -> Any:
+    if name in PYTHON_TARGETS:
+        return PYTHON_TARGETS[name]
+    if "::" not in name or "." not in name.split("::", 1)[1]:
+        raise SerializationError(f"call target {name!r} is neither a torch operator nor allowed.")
+    ns, rest = name.split("::", 1)
+    op_name, overload = rest.rsplit(".", 1)
+    try:
+        op = getattr(getattr(getattr(torch.ops, ns), op_name), overload)
+    except (AttributeError, RuntimeError) as e:
+        raise SerializationError(
+            f"operator {name!r} is not registered; import the library that defines it before loading."
+        ) from e
+    if not isinstance(op, torch._ops.OpOverload):
+        raise SerializationError(f"{name!r} is not an operator overload.")
+    return op
+
+
+def _load_meta(m: dict) -> TensorMeta:
+    return TensorMeta(tuple(m["shape"]), tuple(m["stride"]), _dtype(m["dtype"]), torch.device(m["device"]),
+                      bool(m["requires_grad"]))
+
+
+class _Loader:
+    def __init__(self, doc: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.doc = doc
+        self.tensors = tensors
+        self.built: dict[str, fx.GraphModule] = {}
+
+    def graph(self, gid: str) -> fx.GraphModule:
+        if gid in self.built:
+            return self.built[gid]
+        spec = self.doc["graphs"][gid]
+        holder = torch.nn.Module()
+        for attr, ref in spec["attrs"].items():
+            value = self.graph(ref["graph"]) if "graph" in ref else self.tensors[ref["tensor"]]
+            setattr(holder, attr, value)
+        graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        for n in spec["nodes"]:
+            target = _load_target(n["target"]) if n["op"] == "call_function" else n["target"]
+            args = tuple(_load_value(a, env) for a in n["args"])
+            kwargs = {k: _load_value(v, env) for k, v in n["kwargs"].items()}
+            if n["op"] == "output":
+                node = graph.output(args[0])
+            else:
+                node = graph.create_node(n["op"], target, args, kwargs, name=n["name"])
+            if n["val"] is not None:
+                m = _load_meta(n["val"])
+                node.meta["val"] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+            env[n["name"]] = node
+        gm = graph_module(holder, graph, spec["class"])
+        gm.meta["effectfx_token_keys"] = ()
+        self.built[gid] = gm
+        return gm
+
+    def program(self, p: dict) -> Program:
+        self.doc = p
+        self.built = {}
+        sig = p["signature"]
+        signature = InputSignature(
+            treespec_loads(sig["spec"]),
+            tuple((i, _load_meta(m)) for i, m in sig["tensors"]),
+            tuple((i, _load_value(v, {})) for i, v in sig["constants"]),
+        )
+        return Program(
+            self.graph(p["root"]), signature, tuple(self.tensors[n] for n in p["lifted"]),
+            treespec_loads(p["out_spec"]), tuple((k, _load_value(v, {})) for k, v in p["out_layout"]),
+            form=p["form"], token_keys=(),
+            regions={ident: RegionEntry(r["name"], r["traces"],
+                                        frozenset(r["effects"]) if r["effects"] is not None else None)
+                     for ident, r in p["regions"].items()},
+            history=(*(PassRecord(name, s) for name, s in p["history"]), PassRecord("load", 0.0)),
+            n_extra_outputs=p["n_extra_outputs"], name=p["name"],
+        )
+
+
+def load(path: str | Path) -> Program | TrainingProgram:
+    """Read a program written by ``prog.save(path)``; runs no code from the file (module docstring)."""
+    with zipfile.ZipFile(path) as zf:
+        doc = json.loads(zf.read("program.json"))
+        tensors = torch.load(io.BytesIO(zf.read("tensors.pt")), weights_only=True)
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise SerializationError(f"{path} is not an effectfx program file of version {VERSION}.")
+    loader = _Loader(doc, tensors)
+    if doc["kind"] == "training":
+        return TrainingProgram(loader.program(doc["forward"]), loader.program(doc["backward"]),
+                               tuple(doc["tangent_mask"]), tuple(doc["grad_mask"]))
+    return loader.program(doc["program"])
