@@ -68,23 +68,28 @@ def _module_state(module: torch.nn.Module) -> tuple:
 
 def key_labels(names: list[str]) -> tuple[str, ...]:
     """Human names for the parts of :func:`cache_key`, in the same order."""
-    return ("grad mode", "argument structure", *names)
+    return ("grad mode", "argument structure", "closure", *names)
 
 
-def cache_key(leaves: list[Any], spec: Any) -> tuple:
-    parts: list[Any] = [torch.is_grad_enabled(), spec]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append(TensorMeta.of(leaf))
-        elif isinstance(leaf, torch.nn.Module):
-            parts.append(_module_state(leaf))
-        else:
-            try:
-                hash(leaf)
-                parts.append((type(leaf), leaf))
-            except TypeError:
-                parts.append(("object", id(leaf)))
-    return tuple(parts)
+def _value_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta.of(value)
+    if isinstance(value, torch.nn.Module):
+        return _module_state(value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return (type(value), value)
+
+
+def cache_key(fn: Any, leaves: list[Any], spec: Any) -> tuple:
+    """Note [Region identity]: everything that can change the body's trace, nothing that cannot."""
+    # closed-over values change a trace like arguments do; tensors among them are lifted by identity
+    cells = getattr(fn, "__closure__", None) or ()
+    closure = tuple(("tensor", id(c.cell_contents)) if isinstance(c.cell_contents, torch.Tensor)
+                    else _value_key(c.cell_contents) for c in cells)
+    return (torch.is_grad_enabled(), spec, closure, *map(_value_key, leaves))
 
 
 def _leaf_names(fn: Any, args: tuple, kwargs: dict) -> list[str]:
@@ -162,7 +167,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             "from the recursive function."
         )
     leaves, spec = tree_flatten((args, kwargs))
-    key = cache_key(leaves, spec)
+    key = cache_key(region.fn, leaves, spec)
     body = tracer.bodies.get((region, key))
     if body is None:
         body = _trace_body(tracer, region, key, leaves, spec, args, kwargs)
