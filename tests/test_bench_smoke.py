@@ -47,6 +47,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     }
     for r in results:
         assert _finite_positive(r["median_s"]) and r["median_s"] < 120, r
+        assert _finite_positive(r["cpu_median_s"]), r
     for r in results:
         if r["system"] in ("efx", "eager"):  # effectfx must be right; torch.compile is only recorded
             assert r["ok"] and r["matches_eager"] and r["effects_correct"], r
@@ -59,9 +60,12 @@ def test_bench_quick(tmp_path: Path) -> None:
 
     assert {(r["width"], r["mode"]) for r in runtime["results"]} == {(64, "inference"), (64, "training")}
     for r in runtime["results"]:
-        for name in ("eager", "efx", "eager_noeffect", "efx_noeffect", "op"):
-            assert _finite_positive(r["median_us"][name]) and r["median_us"][name] < 1e6, (name, r)
-        assert _finite_positive(r["efx_over_eager"])
+        for clock in ("wall", "cpu"):
+            m = r[clock]
+            for name in ("eager", "efx", "eager_noeffect", "efx_noeffect", "op"):
+                assert _finite_positive(m["median_us"][name]) and m["median_us"][name] < 1e6, (name, m)
+            assert _finite_positive(m["efx_over_eager"])
+            per_effect = m["per_effect"]
+            assert math.isfinite(per_effect["efx_us"]) and _finite_positive(per_effect["op_eager_us"])
         assert r["systems"]["efx"]["effects_per_call"] == 16 and r["systems"]["efx"]["status"] == "ok"
         assert r["systems"]["efx_noeffect"]["effects_per_call"] == 0
-        assert math.isfinite(r["per_effect"]["efx_us"]) and _finite_positive(r["per_effect"]["op_eager_us"])
