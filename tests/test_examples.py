@@ -1,0 +1,87 @@
+"""The examples in ``examples/`` run, and match eager; ``effectfx demo`` shows the training beside eager."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import effectfx as efx
+from effectfx.cli import demo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_print_and_log_example() -> None:
+    proc = run_script("examples/print_and_log.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "# tokens (in order): log, ordered" in out
+    assert "transcripts identical (capture and efx.compile): True; outputs equal: True" in out
+    assert "6 prints (key 'ordered') and 5 logs (key 'log')" in out
+    # the side-by-side transcript, eager's order: prints and logs interleaved as the program runs them
+    table = out.split("effectfx (captured program)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    eager_column = [line.split("   ")[0].strip() for line in table]
+    kinds = [line.split("]")[0] + "]" for line in eager_column]
+    assert kinds == ["[print]", "[print]", "[log]", "[log]", "[print]", "[print]", "[log]", "[log]",
+                     "[print]", "[log]", "[print]"]
+    assert all(line.split("   ")[0].strip() == line.split("   ")[-1].strip() for line in table)
+
+
+@pytest.fixture(scope="module")
+def transformer():  # noqa: ANN201 - the example module
+    module = demo.load_example("transformer_memory")
+    assert module is not None, "examples/transformer_memory.py is missing"
+    return module
+
+
+def test_transformer_example_matches_eager(transformer) -> None:  # noqa: ANN001
+    result = transformer.compare(steps=2, n_layers=2)
+    assert result.ok and result.logs_match and result.losses_match and result.params_match
+    for log in result.effectfx.logs:
+        forward = [name for prefix, name in log if prefix == "forward"]
+        backward = [name for prefix, name in log if prefix == "backward"]
+        assert forward == ["layer0", "attention", "mlp", "layer1", "attention", "mlp", "head"]
+        assert backward == ["block", "block"]
+    # the block is one region body, called once per layer
+    region = efx.explain(result.compiled).regions["Block.forward"]
+    assert len(region.bodies) == 1 and region.calls == 2
+    assert region.forward_effects == ("memory",) and region.backward_effects == ("memory",)
+
+
+def test_transformer_example_main(transformer, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    assert transformer.main(steps=1, n_layers=2) == 0
+    out = capsys.readouterr().out
+    assert "effect logs identical: True (9 effects over 1 steps)" in out
+    assert "parameters match: True" in out and "losses match: True" in out
+    assert "region Block.forward: 1 body, 2 calls per step; forward effects ['memory'], backward effects " \
+           "['memory']" in out
+
+
+def test_demo_fails_when_logs_differ(transformer, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    real = transformer.compare(steps=1, n_layers=1)
+    assert demo.run_training_demo(1, 1) == 0
+    broken = dataclasses.replace(real, effectfx=dataclasses.replace(
+        real.effectfx, logs=[real.effectfx.logs[0][:-1]]))
+    monkeypatch.setattr(transformer, "compare", lambda steps, n_layers: broken)
+    assert demo.run_training_demo(1, 1) == 1
+    out = capsys.readouterr().out
+    assert "effect logs identical: False" in out and "lengths differ" in out
+
+
+def test_demo_command() -> None:
+    proc = run_script("-m", "effectfx", "demo", "--steps", "1", "--layers", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "outputs equal: True   effect logs identical: True (2 effects)" in out  # the seed part
+    assert "training the transformer example" in out
+    assert "effect logs identical: True (9 effects)" in out and "parameters match: True" in out
+    assert "('forward', 'layer1')      ('forward', 'layer1')" in out
