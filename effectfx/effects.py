@@ -72,12 +72,12 @@ def _op_exists(qualname: str) -> bool:
 
 def register_effect(op: OpLike, key: str = DEFAULT_KEY) -> EffectHandle:
     """Mark ``op`` as effectful on ``key``: effectfx keeps its calls in order with the others of that key."""
+    qualname = _qualname(op)
     if not isinstance(key, str) or not _KEY_PATTERN.match(key):
         raise RegistryError(
-            f"register_effect: bad effect key {key!r}. A key is a non-empty string such as 'ordered', "
-            "'memory' or 'collective:tp' (letters, digits, '_', '.', ':', '-')."
+            f"register_effect({qualname!r}): bad effect key {key!r}. A key is a non-empty string such as "
+            "'ordered', 'memory' or 'collective:tp' (letters, digits, '_', '.', ':', '-')."
         )
-    qualname = _qualname(op)
     if not _op_exists(qualname):
         raise RegistryError(
             f"register_effect: no operator {qualname!r} is defined. Define it with "

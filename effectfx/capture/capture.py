@@ -64,7 +64,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
                     scope.add_input(names[i], OperandSource("arg", i), fake, fake)
                     new_leaves[i] = fake
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
-        traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root")
+        traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root",
+                             target)
 
     bodies = tuple(
         BodyInfo(b.identifier, b.region.name, b.key, b.key_labels, b.trace_seconds,

@@ -210,7 +210,7 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     tracer.region_stack.append(region)
     try:
         traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
-                             f"region {region.name!r}", region.name)
+                             f"region {region.name!r}", region.name, region.fn)
     finally:
         tracer.region_stack.pop()
     traced.forward.meta["effectfx_region"] = (region, key, identifier, "forward")

@@ -22,3 +22,25 @@ def user_location() -> str:
         code = (frame.line or "").strip()
         return f"{frame.filename}:{frame.lineno} (in {frame.name}): {code}"
     return "<unknown location>"
+
+
+def definition(fn: object) -> str:
+    """``file:line`` where a function is defined, or its repr."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
+
+
+def return_lines(fn: object) -> str:
+    """``file:line`` of every ``return`` statement of ``fn`` (the one that ran is among them)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        filename = inspect.getsourcefile(fn)  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError):
+        return definition(fn)
+    found = [f"{filename}:{first + n.lineno - 1}" for n in ast.walk(tree) if isinstance(n, ast.Return)]
+    return ", ".join(found) or definition(fn)

@@ -5,6 +5,7 @@ See Note [Joint trace] and Note [Region identity] in effectfx.notes.
 
 from __future__ import annotations
 
+import keyword
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,14 +19,18 @@ from ..errors import CaptureError, FreeTensorError, UnsupportedReturnError
 from ..passes.dce import eliminate_dead_code
 from .graph_builder import GraphBuilder
 from .meta import OperandSource, TensorMeta, TracedGraph
-from .source import user_location
+from .source import return_lines, user_location
 from .tracer import Tracer
 
 _CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
 
 
 def placeholder_name(name: str) -> str:
-    return re.sub(r"\W", "_", name).strip("_") or "arg"
+    """A valid Python identifier for a graph input ("0.weight" of an nn.Sequential -> "p_0_weight")."""
+    name = re.sub(r"\W", "_", name).strip("_") or "arg"
+    if name[0].isdigit() or keyword.iskeyword(name):
+        name = "p_" + name
+    return name
 
 
 class Scope:
@@ -73,7 +78,7 @@ class Scope:
         return self.builder.values[id(fake)]
 
 
-def _flatten_outputs(out: Any, where: str) -> tuple[Any, list[tuple[str, Any]], list[torch.Tensor]]:
+def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str, Any]], list[torch.Tensor]]:
     leaves, spec = tree_flatten(out)
     layout: list[tuple[str, Any]] = []
     tensors: list[torch.Tensor] = []
@@ -85,19 +90,21 @@ def _flatten_outputs(out: Any, where: str) -> tuple[Any, list[tuple[str, Any]], 
             layout.append(("const", leaf))
         else:
             raise UnsupportedReturnError(
-                f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}); effectfx graphs can return "
+                f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}) at {return_lines(fn)}; effectfx "
+                "graphs can return "
                 "tensors, numbers, strings and None inside tuples, lists and dicts. Return tensors (or "
                 "a pytree of them) and build other objects outside."
             )
     return spec, layout, tensors
 
 
-def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: str) -> TracedGraph:
+def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: str,
+                fn: Any = None) -> TracedGraph:
     """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph."""
     tracer, builder = scope.tracer, scope.builder
     with tracer.graph(builder):
         out = run()
-        spec, layout, tensors = _flatten_outputs(out, where)
+        spec, layout, tensors = _flatten_outputs(out, where, fn)
         out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]
         out_meta = [TensorMeta.of(t) for t in tensors]
         tangent_mask = tuple(t.requires_grad for t in tensors)

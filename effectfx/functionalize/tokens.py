@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
+from ..capture.source import definition
 from ..effects import effect_of
 from ..errors import RegionEffectsChangedError
 from ..graphs import graph_module
@@ -42,19 +43,23 @@ class _Functionalizer:
             self.effects[identifier] = frozenset(keys)
             info = gm.meta.get("effectfx_region")
             if info is not None:
-                self._check(info, frozenset(keys))
+                self._check(info, frozenset(keys), gm)
             self.done[id(gm)] = (new, keys)
         return self.done[id(gm)]
 
-    def _check(self, info: tuple, keys: frozenset[str]) -> None:
+    def _check(self, info: tuple, keys: frozenset[str], gm: fx.GraphModule) -> None:
         region, cache_key, identifier, direction = info
         known = region.known_effects.get((cache_key, direction))
         if known is not None and known != keys:
+            changed = known ^ keys
+            where = sorted({n.meta["location"] for n in gm.graph.nodes
+                            if n.meta.get("effect_key") in changed and "location" in n.meta})
             raise RegionEffectsChangedError(
-                f"region {region.name!r} ({identifier}, {direction}) had effects {sorted(known)} when it was "
-                f"traced before with the same arguments, but has {sorted(keys)} now.\nIts effects depend on "
-                "state that is not part of its cache key (a global flag?). Pass that state to the region as "
-                "an argument so each variant gets its own body."
+                f"region {region.name!r} ({identifier}, {direction}; defined at {definition(region.fn)}) had "
+                f"effects {sorted(known)} when it was traced before with the same arguments, but has "
+                f"{sorted(keys)} now" + (f" (from {'; '.join(where)})" if where else "") + ".\nIts effects "
+                "depend on state that is not part of its cache key (a global flag?). Pass that state to the "
+                "region as an argument so each variant gets its own body."
             )
         self.commits.append((region, (cache_key, direction), keys))
 

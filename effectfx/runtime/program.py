@@ -138,7 +138,14 @@ class Program:
         """Run the root graph on its tensor inputs (no tokens); returns all outputs without tokens."""
         n_tokens = len(self.token_keys)
         token = ops.make_token()
-        results = self.graph_module.forward(*([token] * n_tokens), *tensors)
+        # graphs are traced below autograd: a TrainingProgram attaches them to autograd as one node, and
+        # an inference program's outputs must not require grad, whatever the caller's grad mode
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            results = self.graph_module.forward(*([token] * n_tokens), *tensors)
+        finally:
+            torch._C._set_grad_enabled(previous)
         return list(results[n_tokens:])
 
     def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
