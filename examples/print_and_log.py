@@ -5,7 +5,8 @@ logging op registered on its own key, "log".  effectfx threads one token chain p
 its own order (and a backend may overlap the two); the default runtime runs nodes in capture order, so
 the combined transcript equals eager's.
 
-Run it: ``python examples/print_and_log.py`` (a few seconds on a CPU).  Exit status 0 when effectfx's
+Run it: ``python examples/print_and_log.py`` (a few seconds on a CPU).  Draw it:
+``effectfx show examples/print_and_log.py:fn --html fn.html``.  Exit status 0 when effectfx's
 transcript equals eager's.
 """
 
@@ -55,6 +56,10 @@ def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch.ops.efxex.log_value(y, "result")
     torch.ops.aten._print("[print] fn: done")
     return y.sum()
+
+
+# example inputs for `effectfx show examples/print_and_log.py:fn [--form ...] [--html fn.html]`
+EXAMPLE_INPUTS = {"fn": lambda: (torch.randn(3, 4), torch.randn(4, 4) * 0.5)}
 
 
 @contextlib.contextmanager

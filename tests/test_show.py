@@ -176,11 +176,20 @@ def test_bad_targets(target: str, message: str, user_file: Path, capsys: pytest.
     assert message in err
 
 
-def test_console_entry_point(user_file: Path) -> None:
-    cmd = [sys.executable, "-m", "effectfx", "show", f"{user_file}:step", "--form", "captured"]
+def test_console_entry_point_on_an_example(tmp_path: Path) -> None:
+    out = tmp_path / "fn.html"
+    cmd = [sys.executable, "-m", "effectfx", "show", "examples/print_and_log.py:fn", "--html", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert "captured form" in proc.stdout and "invoke_subgraph" in proc.stdout
+    assert proc.stdout.startswith(f"wrote {out}: functionalized form of fn")
+    assert proc.stdout.rstrip().endswith("effect keys: log, ordered")
+    data = page_data(out.read_text())
+    layer = next(g for g in data["graphs"].values() if g["region"] == "layer")
+    labels = [(n["key"], n["text"]) for n in layer["nodes"] if n["kind"] == "effect"]
+    assert labels == [("ordered", "aten._print('[print] layer: start')"),
+                      ("log", "efxex.log_value(x, 'layer input')"),
+                      ("log", "efxex.log_value(tanh, 'layer output')"),
+                      ("ordered", "aten._print('[print] layer: end')")]
 
 
 # -- the HTML page ---------------------------------------------------------------------------------------
