@@ -26,7 +26,12 @@ class TensorMeta:
 
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
-        return f"{dt}{list(self.shape)}" + ("(grad)" if self.requires_grad else "")
+        contiguous, step = [], 1
+        for size in reversed(self.shape):
+            contiguous.insert(0, step)
+            step *= max(size, 1)
+        layout = "" if tuple(contiguous) == self.stride else f" stride {list(self.stride)}"
+        return f"{dt}{list(self.shape)}{layout}" + ("(grad)" if self.requires_grad else "")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class InputSignature:
             leaf = leaves[index]
             if not isinstance(leaf, torch.Tensor) or (
                 tuple(leaf.shape) != meta.shape or leaf.dtype != meta.dtype or leaf.device != meta.device
+                or (leaf.numel() > 1 and tuple(leaf.stride()) != meta.stride)  # views are traced per layout
             ):
                 got = TensorMeta.of(leaf).short() if isinstance(leaf, torch.Tensor) else repr(leaf)
                 raise SignatureMismatchError(
