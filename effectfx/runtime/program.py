@@ -206,6 +206,18 @@ class TrainingProgram:
     def region_traces(self) -> dict[str, int]:
         return self.forward.region_traces
 
+    @property
+    def region_effects(self) -> dict[str, frozenset[str] | None]:
+        """Effect keys per identifier, forward and backward bodies together."""
+        merged = dict(self.forward.region_effects)
+        for ident, keys in self.backward.region_effects.items():
+            prev = merged.get(ident)
+            merged[ident] = keys if prev is None else prev | (keys or frozenset())
+        return merged
+
+    def code(self) -> str:
+        return f"{self.forward.code()}\n\n{self.backward.code()}"
+
     def save(self, path: Any) -> None:
         """Write both token-free halves to ``path``; read them back with ``efx.load``."""
         from .serialize import save
