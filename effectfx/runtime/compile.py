@@ -23,11 +23,20 @@ from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from .program import Program, TrainingProgram
 
+
 # The passes between capture and execution, per backend.  Kept in one table so a backend is one entry.
 # "eager" runs the token-free form: no token tensors or with_effects calls at run time, node order keeps
 # the effects (DESIGN §2.4).
+def lower_to_inductor(prog: Program) -> Program:
+    """Token-free -> Inductor segments between effects (imported lazily: Inductor is slow to import)."""
+    from ..backends.inductor import lower_to_inductor as lower
+
+    return lower(prog)
+
+
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
     "eager": [thread_tokens, remove_effect_tokens_pass],
+    "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
 }
 
 

@@ -1,0 +1,1 @@
+"""Backends that take token-free programs further (Inductor)."""
