@@ -21,14 +21,38 @@ import torch.fx as fx
 
 from .. import ops
 from ..capture.source import definition
-from ..effects import effect_of
+from ..effects import effect_of, graph_effect_keys
 from ..errors import RegionEffectsChangedError
 from ..graphs import graph_module
+from ..runtime.printing import subgraphs
 from ..runtime.program import Program, RegionEntry
 
 
-def token_name(key: str, n_keys: int) -> str:
-    return "token" if n_keys == 1 else "token_" + re.sub(r"\W", "_", key)
+def check_region_effects(gm: fx.GraphModule, keys: frozenset[str], commits: list) -> None:
+    """Compare a body's effect keys with what the same region and cache key showed before
+    (Note [Region identity]); the new set is committed only once the whole pass succeeds."""
+    info = gm.meta.get("effectfx_region")
+    if info is None:
+        return
+    region, cache_key, identifier, direction = info
+    known = region.known_effects.get((cache_key, direction))
+    if known is not None and known != keys:
+        changed = known ^ keys
+        where = sorted({n.meta["location"] for n in gm.graph.nodes
+                        if n.meta.get("effect_key") in changed and "location" in n.meta})
+        raise RegionEffectsChangedError(
+            f"region {region.name!r} ({identifier}, {direction}; defined at {definition(region.fn)}) had "
+            f"effects {sorted(known)} when it was traced before with the same arguments, but has "
+            f"{sorted(keys)} now" + (f" (from {'; '.join(where)})" if where else "") + ".\nIts effects "
+            "depend on state that is not part of its cache key (a global flag?). Pass that state to the "
+            "region as an argument so each variant gets its own body."
+        )
+    commits.append((region, (cache_key, direction), keys))
+
+
+def _commit(commits: list) -> None:
+    for region, cache_key, effect_keys in commits:  # only a pass that succeeded fills the cache
+        region.known_effects[cache_key] = effect_keys
 
 
 @dataclass
@@ -41,27 +65,9 @@ class _Functionalizer:
         if id(gm) not in self.done:
             new, keys = self.graph(gm, f"region {identifier!r}")
             self.effects[identifier] = frozenset(keys)
-            info = gm.meta.get("effectfx_region")
-            if info is not None:
-                self._check(info, frozenset(keys), gm)
+            check_region_effects(gm, frozenset(keys), self.commits)
             self.done[id(gm)] = (new, keys)
         return self.done[id(gm)]
-
-    def _check(self, info: tuple, keys: frozenset[str], gm: fx.GraphModule) -> None:
-        region, cache_key, identifier, direction = info
-        known = region.known_effects.get((cache_key, direction))
-        if known is not None and known != keys:
-            changed = known ^ keys
-            where = sorted({n.meta["location"] for n in gm.graph.nodes
-                            if n.meta.get("effect_key") in changed and "location" in n.meta})
-            raise RegionEffectsChangedError(
-                f"region {region.name!r} ({identifier}, {direction}; defined at {definition(region.fn)}) had "
-                f"effects {sorted(known)} when it was traced before with the same arguments, but has "
-                f"{sorted(keys)} now" + (f" (from {'; '.join(where)})" if where else "") + ".\nIts effects "
-                "depend on state that is not part of its cache key (a global flag?). Pass that state to the "
-                "region as an argument so each variant gets its own body."
-            )
-        self.commits.append((region, (cache_key, direction), keys))
 
     def graph(self, gm: fx.GraphModule, what: str) -> tuple[fx.GraphModule, tuple[str, ...]]:
         graph = fx.Graph()
@@ -141,10 +147,30 @@ def thread_tokens(prog: Program) -> Program:
     """Captured form -> functionalized form (see the module docstring for the contract)."""
     f = _Functionalizer()
     root, keys = f.graph(prog.graph_module, prog.name)
-    for region, cache_key, effect_keys in f.commits:  # only a capture that succeeded fills the cache
-        region.known_effects[cache_key] = effect_keys
+    _commit(f.commits)
     regions = {
         ident: RegionEntry(entry.name, entry.traces, f.effects.get(ident, frozenset()))
         for ident, entry in prog.regions.items()
     }
     return prog.replace(graph_module=root, token_keys=keys, form="functionalized", regions=regions)
+
+
+def discover_effects(prog: Program) -> Program:
+    """Captured form -> token-free form, without rebuilding a graph.
+
+    Contract: requires the captured form; gives the same graphs labelled token-free, with every region's
+    effect keys recorded and checked exactly as :func:`thread_tokens` does.  The captured form already is
+    token-free (effectful ops are bare and ordered by node order, DESIGN §2.4), so threading tokens and
+    removing them again would rebuild every graph only to arrive where it started; efx.compile's default
+    backend takes this shortcut, the tests check both routes agree.
+    """
+    commits: list = []
+    effects: dict[str, frozenset[str]] = {}
+    for _, identifier, body in subgraphs(prog.graph_module):
+        keys = graph_effect_keys(body)
+        effects[identifier] = effects.get(identifier, frozenset()) | keys
+        check_region_effects(body, keys, commits)
+    _commit(commits)
+    regions = {ident: RegionEntry(e.name, e.traces, effects.get(ident, frozenset()))
+               for ident, e in prog.regions.items()}
+    return prog.replace(form="token-free", regions=regions)
