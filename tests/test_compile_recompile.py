@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -197,8 +196,6 @@ def test_non_tensor_argument_change_recompiles():
     assert cf.stats.compiles == 2
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: efx.compile's signature ignores plain module attributes "
-                   "(only .training and requires_grad), so a changed attribute reuses a stale program")
 def test_plain_module_attribute_change_recompiles():
     eager, model = pair(7)
     cm = efx.compile(model)
@@ -249,8 +246,6 @@ def test_compile_of_a_plain_function_and_a_bound_method():
     same_run(eager.forward, efx.compile(model.forward), torch.randn(2, 4))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: efx.compile's signature ignores strides, so a transposed input "
-                   "of the same shape reuses a program traced for contiguous input (view fails)")
 def test_stride_change_recompiles_or_matches_eager():
     f = lambda x: x.reshape(-1) * 2  # noqa: E731
     cf = efx.compile(f)
@@ -259,8 +254,6 @@ def test_stride_change_recompiles_or_matches_eager():
     assert torch.allclose(cf(b), f(b))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a compiled module keeps the Parameter objects it was traced "
-                   "with; reassigning module.weight leaves a stale program")
 def test_reassigned_parameter_is_seen():
     lin = nn.Linear(2, 2)
     cf = efx.compile(lin)
@@ -270,8 +263,6 @@ def test_reassigned_parameter_is_seen():
     assert torch.allclose(cf(x), lin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a compiled module keeps the buffer tensors it was traced "
-                   "with; reassigning a registered buffer leaves a stale program")
 def test_reassigned_buffer_is_seen():
     class WithBuffer(nn.Module):
         def __init__(self) -> None:

@@ -48,9 +48,10 @@ class RegionBody:
         return self.attr + "_backward"
 
 
-def _plain(value: Any) -> bool:
+def plain_value(value: Any) -> bool:
+    """Hashable plain data (numbers, strings, dtypes...): module attributes that can change a trace."""
     if isinstance(value, tuple):
-        return all(_plain(v) for v in value)
+        return all(plain_value(v) for v in value)
     return isinstance(value, _PLAIN)
 
 
@@ -58,7 +59,8 @@ def _module_state(module: torch.nn.Module) -> tuple:
     """Everything about a module that can change a trace, except its identity (Note [Region identity])."""
     parts: list[Any] = []
     for prefix, sub in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_") and _plain(v)))
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
+                             if not k.startswith("_") and plain_value(v)))
         parts.append((prefix, type(sub), attrs))
     tensors = tuple(
         (name, TensorMeta.of(t)) for name, t in chain(module.named_parameters(), module.named_buffers())

@@ -1,9 +1,10 @@
 """efx.compile: a drop-in callable that captures once per input signature and runs the cached program.
 
-The signature is what can change a trace: the structure of the arguments, every tensor's shape, dtype,
-device and requires_grad, the values of non-tensor arguments, grad mode, and -- for modules -- every
-submodule's ``training`` flag and every parameter's ``requires_grad``.  Parameters are read by identity
-at each call, so an optimizer's in-place updates are seen without recompiling.
+The signature is what can change a trace: the structure of the arguments, every tensor's shape, stride,
+dtype, device and requires_grad, the values of non-tensor arguments, grad mode, and -- for modules -- every
+submodule's plain attributes (``training`` among them).  Parameters and buffers are read from their module
+at each call, so an optimizer's in-place updates and reassigned parameters are seen; one whose metadata
+differs from the traced one (shape, dtype, requires_grad) makes a new program.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture.capture import trace_program
-from ..functionalize import thread_tokens
+from ..capture.meta import TensorMeta
+from ..capture.region_call import plain_value
+from ..functionalize import discover_effects, thread_tokens
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from .program import Program, TrainingProgram
@@ -34,24 +37,38 @@ def lower_to_inductor(prog: Program) -> Program:
     return lower(prog)
 
 
+# "eager" goes captured -> token-free directly: discover_effects checks region effects as thread_tokens
+# does, without the round trip through tokens that would rebuild every graph into the same one.
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
-    "eager": [thread_tokens, remove_effect_tokens_pass],
+    "eager": [discover_effects],
     "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
 }
 
 
+Slot = tuple[dict, str]  # (a module's _parameters or _buffers dict, name): where a lifted tensor lives
+
+
 @dataclass
 class CompiledEntry:
-    """One compiled signature: its program and the guards on tensors it reads by identity."""
+    """One compiled signature: its program, and where to read the tensors it lifted at each call."""
 
     program: Program | TrainingProgram
     tensor_positions: tuple[int, ...]
-    lifted_guard: tuple[tuple[int, bool], ...]
+    slots: tuple[Slot | None, ...]  # per lifted tensor: its module slot, or None (read by identity)
+    lifted_meta: tuple[TensorMeta, ...]
     compile_seconds: float
 
-    def lifted_ok(self) -> bool:
-        lifted = self.forward.lifted
-        return all(lifted[i].requires_grad == rg for i, rg in self.lifted_guard)
+    def current_lifted(self) -> list[torch.Tensor] | None:
+        """The lifted tensors as of now, or None if one no longer matches what was traced."""
+        current = []
+        for slot, traced, meta in zip(self.slots, self.forward.lifted, self.lifted_meta):
+            t = traced if slot is None else slot[0].get(slot[1])
+            if t is None or t.requires_grad != meta.requires_grad or (
+                t is not traced and (tuple(t.shape) != meta.shape or t.dtype != meta.dtype)
+            ):
+                return None
+            current.append(t)
+        return current
 
     @property
     def forward(self) -> Program:
@@ -86,25 +103,32 @@ class CompiledCallable:
         self._lock = threading.Lock()
         module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         self._module = module if isinstance(module, torch.nn.Module) else None
-        self._submodules: list[torch.nn.Module] | None = None
-        self._parameters: list[torch.nn.Parameter] = []
+        self._attributes: list[tuple[torch.nn.Module, list[str]]] | None = None
+        self._slots: dict[int, Slot] = {}
         self.__wrapped__ = fn
 
     def _module_key(self) -> tuple:
+        """Every submodule's plain attributes (``training`` among them): state that changes a trace."""
         if self._module is None:
             return ()
-        if self._submodules is None:  # walking the module tree on every call would cost more than eager
-            self._submodules = list(self._module.modules())
-            self._parameters = list(self._module.parameters())
-        return (tuple([sub.training for sub in self._submodules]),
-                tuple([p.requires_grad for p in self._parameters]))
+        if self._attributes is None:  # walking the module tree on every call would cost more than eager
+            self._attributes = [
+                (sub, [k for k, v in vars(sub).items() if not k.startswith("_") and plain_value(v)])
+                for sub in self._module.modules()
+            ]
+            for sub in self._module.modules():
+                for table in (sub._parameters, sub._buffers):
+                    for name, t in table.items():
+                        if t is not None:
+                            self._slots.setdefault(id(t), (table, name))
+        return tuple([getattr(sub, name, None) for sub, names in self._attributes for name in names])
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
         leaves, spec = tree_flatten((args, kwargs))
         parts: list[Any] = [torch.is_grad_enabled(), spec, self._module_key()]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
+                parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
             else:
                 try:
                     hash(leaf)
@@ -113,18 +137,20 @@ class CompiledCallable:
                     parts.append(("object", id(leaf)))
         return tuple(parts), leaves
 
-    def entry_for(self, args: tuple, kwargs: dict) -> tuple[CompiledEntry, list[Any]]:
+    def entry_for(self, args: tuple, kwargs: dict) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
         key, leaves = self.signature(args, kwargs)
         for entry in self.cache.get(key, ()):
-            if entry.lifted_ok():
-                return entry, leaves
+            lifted = entry.current_lifted()
+            if lifted is not None:
+                return entry, leaves, lifted
         with self._lock:  # one thread compiles a signature; the others wait for it
             for entry in self.cache.get(key, ()):
-                if entry.lifted_ok():
-                    return entry, leaves
+                lifted = entry.current_lifted()
+                if lifted is not None:
+                    return entry, leaves, lifted
             entry = self._compile(args, kwargs)
             self.cache.setdefault(key, []).append(entry)
-            return entry, leaves
+            return entry, leaves, list(entry.forward.lifted)
 
     def _compile(self, args: tuple, kwargs: dict) -> CompiledEntry:
         start = time.perf_counter()
@@ -136,17 +162,18 @@ class CompiledCallable:
         return CompiledEntry(
             program,
             tuple(i for i, _ in forward.signature.tensor_meta),
-            tuple((i, t.requires_grad) for i, t in enumerate(forward.lifted)),
+            tuple(self._slots.get(id(t)) for t in forward.lifted),
+            tuple(TensorMeta.of(t) for t in forward.lifted),
             seconds,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, leaves = self.entry_for(args, kwargs)
+        entry, leaves, lifted = self.entry_for(args, kwargs)
         self.stats.calls += 1
         program = entry.program
         forward = entry.forward
         inputs = [leaves[i] for i in entry.tensor_positions]
-        inputs.extend(forward.lifted)
+        inputs.extend(lifted)
         if isinstance(program, TrainingProgram):
             return forward.unflatten(list(program.run_autograd(inputs)))
         return forward.unflatten(forward.run_flat(inputs))
