@@ -27,9 +27,6 @@ from ..passes.remove_tokens import remove_effect_tokens_pass
 from .program import Program, TrainingProgram
 
 
-# The passes between capture and execution, per backend.  Kept in one table so a backend is one entry.
-# "eager" runs the token-free form: no token tensors or with_effects calls at run time, node order keeps
-# the effects (DESIGN §2.4).
 def lower_to_inductor(prog: Program) -> Program:
     """Token-free -> Inductor segments between effects (imported lazily: Inductor is slow to import)."""
     from ..backends.inductor import lower_to_inductor as lower
@@ -37,6 +34,7 @@ def lower_to_inductor(prog: Program) -> Program:
     return lower(prog)
 
 
+# The passes between capture and execution, per backend.  Kept in one table so a backend is one entry.
 # "eager" goes captured -> token-free directly: discover_effects checks region effects as thread_tokens
 # does, without the round trip through tokens that would rebuild every graph into the same one.
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
