@@ -170,6 +170,9 @@ def _analyze(samples: dict[str, list[float]]) -> dict[str, Any]:
             per_effect[f"{system}_us"] = diff / N_BLOCKS * 1e6
     per_effect["efx_overhead_beyond_op_us"] = per_effect["efx_us"] - op_us
     per_effect["meets_target"] = per_effect["efx_us"] <= op_us + 2.0
+    # the op costs more between other ops than back to back; eager's own per-effect cost measures that
+    if "eager_us" in per_effect:
+        per_effect["meets_target_vs_eager_in_model"] = per_effect["efx_us"] <= per_effect["eager_us"] + 2.0
     out["per_effect"] = per_effect
     out["meets_target"] = out["efx_over_eager"] <= 1.0
     return out
@@ -234,6 +237,8 @@ def table(data: dict[str, Any]) -> str:
             f"{pw['efx_overhead_beyond_op_us']:+.2f} / {pc['efx_overhead_beyond_op_us']:+.2f}",
             f"{pw['tc_us']:.2f} / {pc['tc_us']:.2f}" if "tc_us" in pw else "-",
             ("met" if pw["meets_target"] else "NOT") + "/" + ("met" if pc["meets_target"] else "NOT"),
+            ("met" if pw["meets_target_vs_eager_in_model"] else "NOT") + "/"
+            + ("met" if pc["meets_target_vs_eager_in_model"] else "NOT"),
         ])
     out = [f"steady state, {N_BLOCKS} blocks, batch {BATCH}: median wall-clock us per call; ratios to eager "
            "(wall = perf_counter, cpu = process CPU time)",
@@ -244,7 +249,7 @@ def table(data: dict[str, Any]) -> str:
            "cost per effect in us, wall / cpu: (with effects - without) / 16, "
            "median of per-round differences",
            common.format_table(["width", "mode", "op itself", "eager", "effectfx", "efx - op",
-                                "torch.compile", "<= op+2us"], effect_rows)]
+                                "torch.compile", "<= op+2us", "<= eager+2us"], effect_rows)]
     return "\n".join(out) + "\n"
 
 
