@@ -56,8 +56,8 @@ def _value_short(part: Any) -> str:
         return "an object (unhashable, compared by identity)"
     if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
         return repr(part[1])
-    if isinstance(part, tuple) and len(part) == 4 and isinstance(part[0], torch.Size):
-        shape, dtype, _device, rg = part
+    if isinstance(part, tuple) and len(part) == 5 and isinstance(part[0], torch.Size):
+        shape, _stride, dtype, _device, rg = part
         return "tensor " + str(dtype).replace("torch.", "") + str(list(shape)) + ("(grad)" if rg else "")
     return repr(part)
 
@@ -133,15 +133,15 @@ def _diff_part(label: str, a: Any, b: Any) -> list[str]:
         return [f"argument '{label}': {a[1]!r} -> {b[1]!r}"]
     if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("object",):
         return [f"argument '{label}': a different object (unhashable, so compared by identity)"]
-    # compile-signature tensors: (shape, dtype, device, requires_grad)
-    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
+    # compile-signature tensors: (shape, stride, dtype, device, requires_grad)
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5
             and isinstance(a[0], torch.Size) and isinstance(b[0], torch.Size)):
-        fields = ("shape", "dtype", "device", "requires_grad")
+        fields = ("shape", "stride", "dtype", "device", "requires_grad")
         out = []
         for f, x, y in zip(fields, a, b):
             if x != y:
-                x = list(x) if f == "shape" else str(x).replace("torch.", "")
-                y = list(y) if f == "shape" else str(y).replace("torch.", "")
+                x = list(x) if f in ("shape", "stride") else str(x).replace("torch.", "")
+                y = list(y) if f in ("shape", "stride") else str(y).replace("torch.", "")
                 out.append(f"{label}: {f} {x} -> {y}")
         return out
     if isinstance(a, torch.Size) or isinstance(a, TensorMeta) or isinstance(b, TensorMeta):
@@ -474,17 +474,8 @@ def _signature_labels(cc: CompiledCallable, entry: CompiledEntry) -> tuple[str, 
 def _diff_module_key(cc: CompiledCallable, a: tuple, b: tuple) -> list[str]:
     if a == b:
         return []
-    module = cc._module
-    out = []
-    if module is not None and len(a) == len(b) == 2:
-        names = [n or type(module).__name__ for n, _ in module.named_modules()]
-        params = [n for n, _ in module.named_parameters()]
-        for name, x, y in zip(names, a[0], b[0]):
-            if x != y:
-                out.append(f"module '{name}': training {x} -> {y}")
-        for name, x, y in zip(params, a[1], b[1]):
-            if x != y:
-                out.append(f"parameter '{name}': requires_grad {x} -> {y}")
+    labels = cc.module_state_labels()
+    out = [f"module '{name}': {attr} {x!r} -> {y!r}" for (name, attr), x, y in zip(labels, a, b) if x != y]
     return out or ["module state differs"]
 
 

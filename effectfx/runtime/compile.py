@@ -121,6 +121,14 @@ class CompiledCallable:
                             self._slots.setdefault(id(t), (table, name))
         return tuple([getattr(sub, name, None) for sub, names in self._attributes for name in names])
 
+    def module_state_labels(self) -> list[tuple[str, str]]:
+        """(submodule name, attribute) of each value of the signature's module-state part, in order."""
+        if self._module is None:
+            return []
+        self._module_key()
+        names = {id(m): n or type(self._module).__name__ for n, m in self._module.named_modules()}
+        return [(names[id(sub)], attr) for sub, attrs in self._attributes or () for attr in attrs]
+
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
         leaves, spec = tree_flatten((args, kwargs))
         parts: list[Any] = [torch.is_grad_enabled(), spec, self._module_key()]
