@@ -65,7 +65,8 @@ FEATURES = [
     "depth=3", "loop", "chain", "unused", "nograd", "call", "region called many times", "effect:scale",
     "effect:bump", "effect:log_tensor", "effect:record_collective_tp", "keys=1", "keys=3",
     "mixed requires_grad", "region:method", "region:module_fn", "region:function", "matmul", "reduce",
-    "inplace", "detach", "binary", "unary", "requires_grad",
+    "inplace", "detach", "binary", "unary", "requires_grad", "blocks", "blocks with mixed requires_grad",
+    "scalar", "region called with different numbers",
 ]
 
 

@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     forms_run = forms or tuple(differential.FORMS)
     print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")
-    print(f"  forms checked      : {', '.join(forms_run)}, compile (x2 + new inputs, with backward)")
+    print(f"  forms checked      : {', '.join(forms_run)}, "
+          "compile (x2, new inputs, updated parameters; with backward)")
     print(f"  comparisons        : {stats.comparisons}")
     print(f"  effects compared   : {stats.effects_compared}")
     print(f"  mismatches         : {stats.mismatches}")

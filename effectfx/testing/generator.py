@@ -109,6 +109,7 @@ class Stmt:
     label: str = ""
     value: float = 0.0
     weight: str = ""
+    s: float | None = None  # calls of a region with a number parameter: the value passed as ``s=``
 
     def renamed(self, names: dict[str, str]) -> Stmt:
         return dataclasses.replace(self, args=tuple(names.get(a, a) for a in self.args))
@@ -126,6 +127,7 @@ class RegionSpec:
     name: str
     style: str  # "method" (self.rK), "module_fn" (rK(m, ...)) or "function" (rK(...))
     body: Body
+    scalar: bool = False  # takes a number ``s`` too: each value passed is another cache key (body)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ class ProgramSpec:
     regions: tuple[RegionSpec, ...]
     forward: Body
     seed: int = 0
+    blocks: tuple[bool, ...] = ()  # requires_grad of each sub-module's weight (self.blocks[i].w)
+    block_body: Body | None = None  # the body of Block.step, an @efx.region method shared by the blocks
 
     # -- inspection ----------------------------------------------------------------------------------
     def region(self, name: str) -> RegionSpec:
@@ -148,6 +152,8 @@ class ProgramSpec:
         yield "forward", self.forward
         for r in self.regions:
             yield r.name, r.body
+        if self.block_body is not None:
+            yield "step", self.block_body
 
     def depth(self) -> int:
         """The deepest region nesting reached from forward (0: no region calls)."""
@@ -157,7 +163,10 @@ class ProgramSpec:
             return 1 + max((height(s.op) for s in self.region(name).body.stmts if s.kind in CALL_KINDS),
                            default=0)
 
-        return max((height(s.op) for s in self.forward.stmts if s.kind in CALL_KINDS), default=0)
+        step = 1 + max((height(s.op) for s in self.block_body.stmts if s.kind in CALL_KINDS), default=0) \
+            if self.block_body is not None else 0
+        return max((height(s.op) if s.kind in CALL_KINDS else step for s in self.forward.stmts
+                    if s.kind in CALL_KINDS or s.kind == "blocks"), default=0)
 
     def features(self) -> frozenset[str]:
         """What this program exercises (for coverage counts in the fuzz summary)."""
@@ -176,10 +185,17 @@ class ProgramSpec:
         if any(n > 1 for n in calls.values()):
             found.add("region called many times")
         found.update(f"region:{r.style}" for r in self.regions)
+        numbers = {r.name: {s.s for _, b in self.bodies() for s in b.stmts if s.op == r.name}
+                   for r in self.regions if r.scalar}
+        if any(len(v) > 1 for v in numbers.values()):
+            found.add("region called with different numbers")
+        if len(set(self.blocks)) == 2:
+            found.add("blocks with mixed requires_grad")
         return frozenset(found)
 
     def size(self) -> int:
-        return sum(len(b.stmts) + 1 for _, b in self.bodies()) + len(self.inputs) + len(self.weights)
+        return sum(len(b.stmts) + 1 for _, b in self.bodies()) + len(self.inputs) + len(self.weights) \
+            + len(self.blocks)
 
     # -- source --------------------------------------------------------------------------------------
     def source(self) -> str:
@@ -215,9 +231,10 @@ def build_source(src: str, variant: int = 0, filename: str | None = None) -> tup
 
 
 # -- rendering -----------------------------------------------------------------------------------------
-def _call_expr(spec: ProgramSpec, name: str, module_ref: str | None, args: tuple[str, ...]) -> str:
+def _call_expr(spec: ProgramSpec, name: str, module_ref: str | None, args: tuple[str, ...],
+               s: float | None = None) -> str:
     style = spec.region(name).style
-    joined = ", ".join(args)
+    joined = ", ".join(args) + (f", s={s!r}" if s is not None else "")
     if style == "method":
         return f"{module_ref}.{name}({joined})"
     if style == "module_fn":
@@ -226,7 +243,7 @@ def _call_expr(spec: ProgramSpec, name: str, module_ref: str | None, args: tuple
 
 
 def _weight_expr(weight: str, module_ref: str | None) -> str:
-    return weight if weight.startswith("C") else f"{module_ref}.{weight}"
+    return weight if weight.startswith("C") else f"{module_ref}.{weight}"  # C0, self.w0, m.w1, self.w
 
 
 def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None) -> list[str]:
@@ -234,6 +251,8 @@ def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None) -> list[str]
     out = ", ".join(s.outs)
     if s.kind == "unary":
         return [f"{out} = {UNARY[s.op].format(a=a)}"]
+    if s.kind == "scalar":
+        return [f"{out} = {a} * s"]
     if s.kind == "binary":
         return [f"{out} = {BINARY[s.op].format(a=a, b=s.args[1])}"]
     if s.kind == "reduce":
@@ -244,20 +263,22 @@ def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None) -> list[str]
         return [f"{out} = {a} * 1.0", f"{out}.{s.op}_({s.value!r})"]
     if s.kind == "detach":
         return [f"{out} = {a}.detach()"]
+    if s.kind == "blocks":  # every sub-module's region method in turn: one body, N weights
+        return [f"{out} = {a}", f"for blk in {module_ref}.blocks:", f"    {out} = blk.step({out})"]
     if s.kind == "effect":
         template = next(t for name, t, _ in itertools.chain(*EFFECT_OPS.values()) if name == s.op)
         expr = template.format(a=a, label=s.label, s=s.value)
         return [f"{out} = {expr}" if s.outs else expr]
-    call = _call_expr(spec, s.op, module_ref, s.args)
+    call = _call_expr(spec, s.op, module_ref, s.args, s.s)
     if s.kind == "unused":
         return [call]
     if s.kind == "call":
         return [f"{out} = {call}" if s.outs else call]
     if s.kind == "chain":
-        return [f"{out} = {_call_expr(spec, s.op, module_ref, (call,))}"]
+        return [f"{out} = {_call_expr(spec, s.op, module_ref, (call,), s.s)}"]
     if s.kind == "loop":
         return [f"{out} = {a}", f"for _ in range({int(s.value)}):",
-                f"    {out} = {_call_expr(spec, s.op, module_ref, (out,))}"]
+                f"    {out} = {_call_expr(spec, s.op, module_ref, (out,), s.s)}"]
     if s.kind == "nograd":
         return ["with torch.no_grad():", f"    {out} = {call}" if s.outs else f"    {call}"]
     raise ValueError(f"unknown statement kind {s.kind!r}")
@@ -289,18 +310,29 @@ def _render(spec: ProgramSpec) -> str:
     for r in spec.regions:
         if r.style == "method":
             continue
-        params = (("m",) if r.style == "module_fn" else ()) + r.body.params
+        params = (("m",) if r.style == "module_fn" else ()) + r.body.params + (("s=1.0",) if r.scalar else ())
         lines += ["", "", "@efx.region", f"def {r.name}({', '.join(params)}):"]
         lines += _body_lines(spec, r.body, "m" if r.style == "module_fn" else None, "    ")
+    if spec.block_body is not None:
+        lines += ["", "", "class Block(torch.nn.Module):", "    def __init__(self, seed, requires_grad):",
+                  "        super().__init__()", "        g = torch.Generator().manual_seed(seed)",
+                  "        self.w = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
+                  "requires_grad=requires_grad)", "", "    @efx.region",
+                  f"    def step(self, {', '.join(spec.block_body.params)}):"]
+        lines += _body_lines(spec, spec.block_body, "self", "        ")
     lines += ["", "", "class Fuzzed(torch.nn.Module):", "    def __init__(self):",
               "        super().__init__()", f"        g = torch.Generator().manual_seed({spec.seed + 1})"]
+    if spec.blocks:
+        blocks = ", ".join(f"Block({spec.seed + 10 + i}, {rg})" for i, rg in enumerate(spec.blocks))
+        lines.append(f"        self.blocks = torch.nn.ModuleList([{blocks}])")
     for i, rg in enumerate(spec.weights):
         lines.append(f"        self.w{i} = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
                      f"requires_grad={rg})")
     for r in spec.regions:
         if r.style != "method":
             continue
-        lines += ["", "    @efx.region", f"    def {r.name}(self, {', '.join(r.body.params)}):"]
+        params = r.body.params + (("s=1.0",) if r.scalar else ())
+        lines += ["", "    @efx.region", f"    def {r.name}(self, {', '.join(params)}):"]
         lines += _body_lines(spec, r.body, "self", "        ")
     lines += ["", f"    def forward(self, {', '.join(spec.forward.params)}):"]
     lines += _body_lines(spec, spec.forward, "self", "        ")
@@ -333,9 +365,11 @@ class _Context:
     matrices: list[str]
     callees: list[RegionSpec]
     effect_ops: list[tuple[str, str, bool]]
+    blocks: bool = False  # "blocks" statements may run the sub-modules
+    scalar: bool = False  # the body has a number parameter ``s``
 
 
-_DATA_KINDS = ("unary", "binary", "reduce", "matmul", "inplace", "detach")
+_DATA_KINDS = ("unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar")
 
 
 @st.composite
@@ -349,6 +383,10 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
         kinds.append("matmul")
     if ctx.callees:  # about half the statements call a region when there is one to call
         kinds += ["call", "call", "call", "unused", "chain", "chain", "loop", "loop", "nograd"]
+    if ctx.blocks:
+        kinds += ["blocks", "blocks"]
+    if ctx.scalar:
+        kinds += ["scalar", "scalar"]
     kinds = [k for k in kinds if k not in exclude]
     call_kinds = [k for k in CALL_KINDS if k not in exclude]
     n = draw(st.integers(1, max_stmts))
@@ -372,9 +410,14 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
             elif kind == "inplace":
                 stmt = Stmt(kind, draw(st.sampled_from(["mul", "add"])), (a,), (out,),
                             value=draw(st.sampled_from([0.5, 2.0, -1.0])))
+            elif kind == "scalar":
+                stmt = Stmt(kind, "times_s", (a,), (out,))
             else:
                 stmt = Stmt(kind, "detach", (a,), (out,))
             names.append(out)
+        elif kind == "blocks":
+            stmt = Stmt(kind, "blocks", (a,), (next(fresh),))
+            names.extend(stmt.outs)
         elif kind == "effect":
             op, _, has_out = draw(st.sampled_from([o for o in ctx.effect_ops if o[0] not in exclude]
                                                   or ctx.effect_ops))
@@ -397,7 +440,8 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
             else:
                 outs = tuple(next(fresh) for _ in callee.body.returns)
             value = float(draw(st.integers(2, 4))) if kind == "loop" else 0.0
-            stmt = Stmt(kind, callee.name, args, outs, value=value)
+            number = draw(st.sampled_from([None, 0.5, 2.0])) if callee.scalar else None
+            stmt = Stmt(kind, callee.name, args, outs, value=value, s=number)
             names.extend(outs)
         stmts.append(stmt)
     pool = names[len(params):] or names
@@ -427,18 +471,28 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
         module_ref = {"method": "self", "module_fn": "m", "function": None}[style]
         callees = [r for r in regions if heights[r.name] < MAX_DEPTH
                    and (module_ref is not None or r.style == "function")]
-        ctx = _Context(name, module_ref, consts + (params_w if module_ref else []), callees, effect_ops)
+        scalar = "scalar" not in exclude and draw(st.booleans())
+        ctx = _Context(name, module_ref, consts + (params_w if module_ref else []), callees, effect_ops,
+                       scalar=scalar)
         n_params = draw(st.integers(1, 2))
         n_returns = draw(st.sampled_from([1, 1, 1, 2, 0]))
         body = draw(_body(ctx, tuple(f"x{i}" for i in range(n_params)), max_stmts, n_returns, exclude))
         heights[name] = 1 + max((heights[s.op] for s in body.stmts if s.kind in CALL_KINDS), default=0)
-        regions.insert(0, RegionSpec(name, style, body))
-    ctx = _Context("forward", "self", consts + params_w, list(regions), effect_ops)
+        regions.insert(0, RegionSpec(name, style, body, scalar))
+    blocks: tuple[bool, ...] = ()
+    block_body = None
+    if "blocks" not in exclude and draw(st.booleans()):  # sub-modules sharing one region method
+        blocks = tuple(draw(st.lists(st.booleans(), min_size=1, max_size=3)))
+        callees = [r for r in regions if r.style == "function" and heights[r.name] < MAX_DEPTH - 1]
+        ctx = _Context("step", "self", consts + ["w"], callees, effect_ops)
+        block_body = draw(_body(ctx, ("x0",), max_stmts, 1, exclude))
+    ctx = _Context("forward", "self", consts + params_w, list(regions), effect_ops, blocks=bool(blocks))
     n_out = draw(st.integers(1, 2))
     forward = draw(_body(ctx, tuple(f"x{i}" for i in range(len(inputs))), max_stmts + 2, n_out, exclude))
     batch = draw(st.sampled_from([2, 3]))
     seed = draw(st.integers(0, 2**16))
-    return ProgramSpec(batch, 4, keys, inputs, weights, constants, tuple(regions), forward, seed)
+    return ProgramSpec(batch, 4, keys, inputs, weights, constants, tuple(regions), forward, seed,
+                       blocks, block_body)
 
 
 # -- running one program ---------------------------------------------------------------------------------
@@ -491,7 +545,8 @@ def _classify(where: str, exc: BaseException) -> list[Failure]:
 def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
                 forms: tuple[str, ...] | None = None, calls: int = 2) -> Outcome:
     """Run ``make()``'s model in eager, through every form in ``FORMS`` (``calls`` times each) and through
-    ``efx.compile`` (``calls`` times, then once on ``make(1)``'s inputs, which must not recompile)."""
+    ``efx.compile`` (``calls`` times, then once on ``make(1)``'s inputs and once after an in-place update of
+    the parameters, neither of which may recompile)."""
     outcome = Outcome()
     start = time.perf_counter()
     model, args = make(0)
@@ -522,6 +577,12 @@ def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
         outcome.failures.extend(_classify("eager", exc))
         return outcome
     check("compile new inputs", lambda: run_program(lambda f, a, k: cfn, model, new_args, {}, 1), eager_new)
+    with torch.no_grad():  # an optimizer step: parameters change in place, the program reads them anew
+        for p in model.parameters():
+            p.mul_(-0.5)
+    eager_updated = run_eager(model, args)
+    check("compile updated parameters", lambda: run_program(lambda f, a, k: cfn, model, args, {}, 1),
+          eager_updated)
     if not outcome.failures and cfn.stats.compiles != 1:
         outcome.failures.append(Failure("compile", "recompiled for the same signature",
                                         f"{cfn.stats.compiles} compiles for one signature"))
@@ -549,6 +610,7 @@ def _map_bodies(spec: ProgramSpec, fn: Callable[[Body], Body]) -> ProgramSpec:
     return dataclasses.replace(
         spec, forward=fn(spec.forward),
         regions=tuple(dataclasses.replace(r, body=fn(r.body)) for r in spec.regions),
+        block_body=fn(spec.block_body) if spec.block_body is not None else None,
     )
 
 
@@ -563,6 +625,8 @@ def _without_calls(body: Body, pred: Callable[[Stmt], bool]) -> Body:
 def _replace_body(spec: ProgramSpec, where: str, body: Body) -> ProgramSpec:
     if where == "forward":
         return dataclasses.replace(spec, forward=body)
+    if where == "step":
+        return dataclasses.replace(spec, block_body=body)
     return dataclasses.replace(spec, regions=tuple(
         dataclasses.replace(r, body=body) if r.name == where else r for r in spec.regions))
 
@@ -593,6 +657,8 @@ def _candidates(spec: ProgramSpec) -> Iterator[ProgramSpec]:
                 simpler.append(dataclasses.replace(s, value=s.value - 1))
             if s.kind in ("chain", "loop", "nograd"):
                 simpler.append(dataclasses.replace(s, kind="call"))
+            if s.s is not None:
+                simpler.append(dataclasses.replace(s, s=None))
             for new in simpler:
                 stmts = body.stmts[:i] + (new,) + body.stmts[i + 1:]
                 yield _replace_body(spec, where, dataclasses.replace(body, stmts=stmts))
@@ -618,6 +684,14 @@ def _candidates(spec: ProgramSpec) -> Iterator[ProgramSpec]:
         last = f"C{spec.constants - 1}"
         without = _map_bodies(spec, lambda b: _without_calls(b, lambda s: s.weight == last))
         yield dataclasses.replace(without, constants=spec.constants - 1)
+    if spec.blocks:  # drop the sub-modules, or the last one, or a requires_grad
+        without = _map_bodies(spec, lambda b: _without_calls(b, lambda s: s.kind == "blocks"))
+        yield dataclasses.replace(without, blocks=(), block_body=None)
+        if len(spec.blocks) > 1:
+            yield dataclasses.replace(spec, blocks=spec.blocks[:-1])
+        for i, rg in enumerate(spec.blocks):
+            if rg:
+                yield dataclasses.replace(spec, blocks=spec.blocks[:i] + (False,) + spec.blocks[i + 1:])
     if spec.batch > 2:
         yield dataclasses.replace(spec, batch=2)
 
