@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (same seed, same programs)")
     parser.add_argument("--out", default="fuzz-failures", help="directory for minimized reproducers")
     parser.add_argument("--forms", default="", help="comma-separated forms to check (default: all FORMS)")
+    parser.add_argument("--backend", default="eager", help="efx.compile backend to check (eager, inductor)")
     parser.add_argument("--exclude", action="append", default=[], metavar="KIND",
                         help="statement kind or effect op generated programs must not use "
                              "(e.g. nograd, inplace, loop, scale); repeatable")
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     def one(spec: object) -> None:
         if stats.programs >= args.programs:
             return
-        outcome = check_program(spec, forms)  # type: ignore[arg-type]
+        outcome = check_program(spec, forms, backend=args.backend)  # type: ignore[arg-type]
         stats.programs += 1
         stats.comparisons += outcome.comparisons
         stats.effects_compared += outcome.effects_compared
@@ -133,18 +134,19 @@ def run(args: argparse.Namespace) -> int:
             if label in covered or len(saved) >= args.max_repros:
                 continue
             print(f"minimizing a program failing with {label} ...", file=sys.stderr)
-            small = shrink(spec, fails_like(frozenset([label]), forms), budget_seconds=args.shrink_seconds)
-            final = check_program(small, forms)
+            small = shrink(spec, fails_like(frozenset([label]), forms, args.backend),
+                           budget_seconds=args.shrink_seconds)
+            final = check_program(small, forms, backend=args.backend)
             note = f"effectfx fuzz --seed {args.seed}: {label}\n\n" + final.report()
             path = out / f"repro_{len(saved)}_{_slug(label)}.py"
-            path.write_text(reproducer_source(small, note[:4000]))
+            path.write_text(reproducer_source(small, note[:4000], args.backend))
             saved.append((label, path, spec.size(), small.size()))
             covered |= final.kinds() | {label}
 
     forms_run = forms or tuple(differential.FORMS)
     print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")
     print(f"  forms checked      : {', '.join(forms_run)}, "
-          "compile (x2, new inputs, updated parameters; with backward)")
+          f"compile backend {args.backend!r} (x2, new inputs, updated parameters; with backward)")
     print(f"  comparisons        : {stats.comparisons}")
     print(f"  effects compared   : {stats.effects_compared}")
     print(f"  mismatches         : {stats.mismatches}")

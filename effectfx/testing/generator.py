@@ -344,14 +344,14 @@ def _render(spec: ProgramSpec) -> str:
     return "\n".join(lines)
 
 
-def reproducer_source(spec: ProgramSpec, note: str = "") -> str:
+def reproducer_source(spec: ProgramSpec, note: str = "", backend: str = "eager") -> str:
     """A standalone script that rebuilds the program and runs the differential check."""
     comment = "".join(f"# {line}\n" for line in note.splitlines())
     return (
         comment + spec.source()
         + "\n\nif __name__ == \"__main__\":\n"
         "    from effectfx.testing.generator import check_model\n\n"
-        "    outcome = check_model(make)\n"
+        f"    outcome = check_model(make, backend={backend!r})\n"
         "    print(outcome.report())\n"
         "    raise SystemExit(1 if outcome.failures else 0)\n"
     )
@@ -543,7 +543,7 @@ def _classify(where: str, exc: BaseException) -> list[Failure]:
 
 
 def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
-                forms: tuple[str, ...] | None = None, calls: int = 2) -> Outcome:
+                forms: tuple[str, ...] | None = None, calls: int = 2, backend: str = "eager") -> Outcome:
     """Run ``make()``'s model in eager, through every form in ``FORMS`` (``calls`` times each) and through
     ``efx.compile`` (``calls`` times, then once on ``make(1)``'s inputs and once after an in-place update of
     the parameters, neither of which may recompile)."""
@@ -568,7 +568,7 @@ def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
 
     for name in forms if forms is not None else tuple(differential.FORMS):
         check(name, lambda name=name: run_program(differential.FORMS[name], model, args, {}, calls), eager)
-    cfn = efx.compile(model)
+    cfn = efx.compile(model, backend=backend)
     check("compile", lambda: run_program(lambda f, a, k: cfn, model, args, {}, calls), eager)
     _, new_args = make(1)
     try:
@@ -590,9 +590,10 @@ def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
     return outcome
 
 
-def check_program(spec: ProgramSpec, forms: tuple[str, ...] | None = None, calls: int = 2) -> Outcome:
+def check_program(spec: ProgramSpec, forms: tuple[str, ...] | None = None, calls: int = 2,
+                  backend: str = "eager") -> Outcome:
     src = spec.source()
-    return check_model(lambda variant: build_source(src, variant), forms, calls)
+    return check_model(lambda variant: build_source(src, variant), forms, calls, backend)
 
 
 # -- shrinking ---------------------------------------------------------------------------------------
@@ -723,11 +724,12 @@ def shrink(spec: ProgramSpec, still_fails: Callable[[ProgramSpec], bool], budget
     return spec
 
 
-def fails_like(kinds: frozenset[str], forms: tuple[str, ...] | None = None) -> Callable[[ProgramSpec], bool]:
+def fails_like(kinds: frozenset[str], forms: tuple[str, ...] | None = None,
+               backend: str = "eager") -> Callable[[ProgramSpec], bool]:
     """A ``still_fails`` predicate for :func:`shrink`: the candidate fails with one of ``kinds``."""
 
     def predicate(candidate: ProgramSpec) -> bool:
-        outcome = check_program(candidate, forms)
+        outcome = check_program(candidate, forms, backend=backend)
         return not outcome.generator_error and bool(outcome.kinds() & kinds)
 
     return predicate
