@@ -602,3 +602,75 @@ def test_no_grad_region_call_matches_eager() -> None:
         return torch.sigmoid(y)
 
     check_against_eager(f, torch.randn(3, requires_grad=True))
+
+
+# -- more refusals listed in docs/SUPPORT.md ------------------------------------------------------
+@torch.library.custom_op("efxfuzz::mutating_effect", mutates_args=("x",))
+def mutating_effect(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+mutating_effect.register_fake(lambda x: None)
+efx.register_effect(mutating_effect, key="memory")
+
+
+def test_in_place_on_tensor_with_views() -> None:
+    def viewed(x):
+        y = x * 1.0
+        first = y[0]
+        y.add_(1)  # <- viewed
+        return first
+
+    with pytest.raises(efx.UnsupportedMutationError) as info:
+        efx.capture(viewed, torch.randn(3, 2))
+    assert_clear(info.value, names="views", line=line_of("viewed"), advice=r"out-of-place")
+
+
+def test_effectful_op_mutating_its_argument() -> None:
+    def writes(x):
+        y = x * 1.0
+        torch.ops.efxfuzz.mutating_effect(y)  # <- muteffect
+        return y
+
+    with pytest.raises(efx.UnsupportedMutationError) as info:
+        efx.capture(writes, torch.randn(3))
+    assert_clear(info.value, names="effectful op", line=line_of("muteffect"), advice=r"out-of-place")
+
+
+def test_int_of_tensor() -> None:
+    def as_int(x):
+        return x * int(x.sum())  # <- int
+
+    with pytest.raises(efx.DataDependentControlFlowError) as info:
+        efx.capture(as_int, torch.randn(3))
+    assert_clear(info.value, names="captured function", line=line_of("int"), advice=r"torch\.where")
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(efx.BackendError) as info:
+        efx.compile(lambda x: x, backend="no-such-backend")
+    assert_clear(info.value, names="no-such-backend", line=None, advice=r"choose one of")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: efx.compile does not guard Python state read during capture; "
+                                       "toggling a global flag after compiling silently drops an effect")
+def test_compiled_callable_sees_global_flag_change() -> None:
+    flag = {"log": False}
+
+    def f(x):
+        if flag["log"]:
+            torch.ops.efxtest.record_stdout("flag")
+        return x * 2
+
+    cfn = efx.compile(f)
+    x = torch.randn(3)
+    cfn(x)
+    flag["log"] = True
+    with recording() as eager_log:
+        f(x)
+    try:
+        with recording() as log:
+            cfn(x)
+    except efx.EffectfxError:
+        return  # refusing (and saying why) would keep the promise too
+    assert log == eager_log
