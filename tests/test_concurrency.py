@@ -241,3 +241,35 @@ def test_first_call_race_compiles_once(threads: int) -> None:
     problems = _hammer(cfn, threads=threads, calls=2)
     assert not problems, "\n".join(problems)
     assert cfn.stats.compiles == len(SIGNATURES)
+
+
+def test_grad_mode_is_per_thread() -> None:
+    """Grad mode is thread-local: threads calling under ``torch.no_grad()`` and threads calling with grad use
+    two signatures, each compiled once, and each thread gets what eager gives it."""
+    cfn = efx.compile(program)
+    x, w = _inputs(5, (3, 4), True)
+    _, want_grad, want_log = _eager(x, w)
+    with torch.no_grad():
+        want_nograd_log = _eager(x, w)[2]
+    barrier = threading.Barrier(4)
+
+    def worker(t: int) -> list[str]:
+        barrier.wait()
+        problems = []
+        for c in range(5):
+            start = len(THREAD_LOG)
+            if t % 2:
+                with torch.no_grad():
+                    out = cfn(x, w)
+                if out.requires_grad or _mine(start) != want_nograd_log:
+                    problems.append(f"thread {t} call {c} (no_grad): {out.requires_grad} {_mine(start)}")
+            else:
+                (grad,) = torch.autograd.grad(cfn(x, w).sum(), [x])
+                if not torch.allclose(grad, want_grad) or _mine(start) != want_log:
+                    problems.append(f"thread {t} call {c}: {_mine(start)}")
+        return problems
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        problems = [p for ps in pool.map(worker, range(4)) for p in ps]
+    assert not problems, "\n".join(problems)
+    assert cfn.stats.compiles == 2
