@@ -14,9 +14,11 @@ _SKIP = (
 )
 
 
-def user_location() -> str:
-    """``file:line (function): code`` of the innermost frame outside torch and effectfx."""
-    for frame in reversed(traceback.extract_stack()):
+def user_location(exc: BaseException | None = None) -> str:
+    """``file:line (function): code`` of the innermost frame outside torch and effectfx: of the current
+    stack, or of where ``exc`` was raised."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc is not None else traceback.extract_stack()
+    for frame in reversed(frames):
         if frame.filename.startswith(_SKIP) or "/contextlib.py" in frame.filename:
             continue
         code = (frame.line or "").strip()

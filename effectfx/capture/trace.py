@@ -103,7 +103,16 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
     """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph."""
     tracer, builder = scope.tracer, scope.builder
     with tracer.graph(builder):
-        out = run()
+        try:
+            out = run()
+        except RuntimeError as exc:
+            if "tensor subclass" not in str(exc) and "FakeTensor" not in str(exc):
+                raise
+            raise CaptureError(
+                f"{where} needs a tensor's data in Python at {user_location(exc)} ({exc}).\neffectfx traces "
+                "with fake tensors, which have no data: keep .numpy(), .tolist() and the like outside the "
+                "captured function, or use tensor ops."
+            ) from exc
         spec, layout, tensors = _flatten_outputs(out, where, fn)
         out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]
         out_meta = [TensorMeta.of(t) for t in tensors]

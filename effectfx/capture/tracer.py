@@ -199,7 +199,7 @@ class Tracer(TorchDispatchMode):
                 problem = f"an in-place op ({func}) on an input of the graph (argument {name!r})"
             elif tensor._is_view() or id(tensor) in self.viewed:
                 problem = f"an in-place op ({func}) on a tensor that has views"
-            elif functional is None or len(mutated) != 1 or name != func._schema.arguments[0].name:
+            elif len(mutated) != 1 or name != func._schema.arguments[0].name:
                 problem = f"an op ({func}) that writes into its argument {name!r}"
             if problem:
                 raise UnsupportedMutationError(
@@ -207,7 +207,9 @@ class Tracer(TorchDispatchMode):
                     "effectfx functionalizes in-place ops only on intermediates without aliases. Use the "
                     "out-of-place op (e.g. x = x + y instead of x.add_(y)) or clone() the input first."
                 )
-        return functional
+        # no functional twin (bernoulli_ in dropout, say): the in-place op stays, on a fresh intermediate
+        # nothing else aliases, so running it in graph order is indistinguishable from a functional op
+        return functional or func
 
     def _run_fake(self, func: Any, args: tuple, kwargs: dict, key: str | None) -> Any:
         try:

@@ -1,0 +1,57 @@
+"""The tracer's edges: in-place ops without a functional twin, data access on fake tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import effectfx as efx
+from effectfx.testing import check_against_eager
+
+
+def _dropout(x):
+    return torch.nn.functional.dropout(x.sin(), 0.5, training=True) * 2
+
+
+def test_inplace_without_functional_twin_stays_in_place() -> None:
+    """dropout's bernoulli_ has no functional overload: the in-place op is kept on its fresh buffer."""
+    prog = efx.capture(_dropout, torch.randn(6), functionalize=False)
+    code = prog.code()
+    assert "bernoulli_ = torch.ops.aten.bernoulli_.float(empty_like)" in code
+    assert "div = torch.ops.aten.div.Scalar(bernoulli_, 0.5)" in code  # div_ had a twin: functionalized
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_dropout_matches_eager_with_the_same_seed(requires_grad: bool) -> None:
+    x = torch.randn(64, requires_grad=requires_grad)
+    cf = efx.compile(_dropout)
+    for _ in range(2):
+        torch.manual_seed(7)
+        got = cf(x)
+        torch.manual_seed(7)
+        want = _dropout(x)
+        torch.testing.assert_close(got, want)
+        if requires_grad:
+            (g1,) = torch.autograd.grad(got.sum(), x)
+            (g2,) = torch.autograd.grad(want.sum(), x)
+            torch.testing.assert_close(g1, g2)
+
+
+def test_numpy_in_captured_code_is_a_capture_error_naming_the_line() -> None:
+    def f(x):
+        return torch.from_numpy((x * 2).numpy())  # <- numpy
+
+    with pytest.raises(efx.CaptureError) as info:
+        efx.capture(f, torch.randn(2))
+    assert "test_capture_tracer.py" in str(info.value) and "numpy" in str(info.value)
+
+
+def test_random_ops_follow_the_global_generator() -> None:
+    torch.manual_seed(0)
+    check_against_eager(lambda x: x + torch.randn(3), torch.randn(3), forms=(), compile=False)
+    prog = efx.capture(lambda x: x + torch.randn(3), torch.randn(3))
+    x = torch.randn(3)
+    torch.manual_seed(3)
+    a = prog(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(a, x + torch.randn(3))
