@@ -24,6 +24,7 @@ from ..capture.region_call import plain_value
 from ..functionalize import discover_effects, thread_tokens
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
+from ..passes.simplify import simplify_for_runtime
 from .program import Program, TrainingProgram
 
 
@@ -38,7 +39,7 @@ def lower_to_inductor(prog: Program) -> Program:
 # "eager" goes captured -> token-free directly: discover_effects checks region effects as thread_tokens
 # does, without the round trip through tokens that would rebuild every graph into the same one.
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
-    "eager": [discover_effects],
+    "eager": [discover_effects, simplify_for_runtime],
     "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
 }
 

@@ -1,0 +1,56 @@
+"""simplify_for_runtime: fewer calls in the graphs efx.compile runs.
+
+Contract: requires the token-free form (graphs run with grad disabled, DESIGN §2.4); gives a new Program
+computing the same values with the same effects in the same order, with the calls that only autograd
+needed removed.  Rules, keyed by op (``RULES``):
+
+========================  =====================================================================
+``aten.detach(x)``         ``x``: without autograd recording, detach is the identity on values
+``aten.t(aten.t(x))``      ``x``: the double transposes a joint trace leaves in backward formulas
+========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..runtime.program import Program
+from .dce import eliminate_dead_code
+from .rewrite import GraphContext, GraphRewrite
+
+aten = torch.ops.aten
+
+
+def _drop_detach(ctx: GraphContext, node: fx.Node) -> Any:
+    return ctx.value(node.args[0], node)
+
+
+def _fold_double_transpose(ctx: GraphContext, node: fx.Node) -> Any:
+    inner = ctx.value(node.args[0], node)
+    if isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.t.default:
+        return inner.args[0]
+    return ctx.copy(node)
+
+
+RULES = {aten.detach.default: _drop_detach, aten.t.default: _fold_double_transpose}
+
+
+class Simplify(GraphRewrite):
+    form_in = ("token-free",)
+    form_out = "token-free"
+
+    def __init__(self, form: str) -> None:
+        super().__init__(form)
+        self.rules = dict(RULES)
+
+    def done(self, gm: fx.GraphModule) -> None:
+        eliminate_dead_code(gm.graph)  # the transposes a fold left without users
+        gm.recompile()
+
+
+def simplify_for_runtime(prog: Program) -> Program:
+    """Token-free -> token-free without autograd-only calls (see the module docstring)."""
+    return Simplify(prog.form).program(prog)

@@ -1,0 +1,63 @@
+"""simplify_for_runtime: what efx.compile's default backend drops, and that nothing else changes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import effectfx as efx
+from effectfx.functionalize import discover_effects
+from effectfx.passes.pipeline import run_passes
+from effectfx.passes.simplify import simplify_for_runtime
+from effectfx.testing import check_against_eager
+
+R = torch.ops.efxtest
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @efx.region
+    def forward(self, x):
+        R.record_memory("block")
+        return torch.relu(self.lin(x))
+
+
+def _programs(model: nn.Module, x: torch.Tensor) -> tuple[efx.TrainingProgram, efx.TrainingProgram]:
+    captured = efx.capture(model, x, functionalize=False)
+    plain = run_passes(captured, [discover_effects])
+    return plain, run_passes(plain, [simplify_for_runtime])
+
+
+def test_backward_body_loses_detach_and_double_transposes() -> None:
+    """Proves the rules: detach pairs and t(t(x)) disappear from the backward subgraph, the rest stays."""
+    plain, simple = _programs(nn.Sequential(Block()), torch.randn(2, 4))
+    (before,) = plain.backward.subgraphs().values()
+    (after,) = simple.backward.subgraphs().values()
+    assert "detach" in before.code and "detach = torch.ops.aten.detach" not in after.code
+    assert after.code.count("aten.t.default") == before.code.count("aten.t.default") - 2
+    assert [line.strip() for line in efx.Program.code(simple.backward).splitlines()[-6:]] == [
+        "threshold_backward = torch.ops.aten.threshold_backward.default(tangent_0, detach, 0)",
+        "t_1 = torch.ops.aten.t.default(threshold_backward)",
+        "mm = torch.ops.aten.mm.default(t_1, x)",
+        "sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True)",
+        "view = torch.ops.aten.view.default(sum_1, [4])",
+        "return (mm, view)",
+    ]
+
+
+def test_effects_and_regions_survive() -> None:
+    plain, simple = _programs(nn.Sequential(Block(), Block()), torch.randn(2, 4))
+    assert simple.forward.region_effects == plain.forward.region_effects
+    assert simple.forward.code().count("record_memory.default('block')") == 2  # one per body
+    assert simple.forward.history[-1].name == "simplify_for_runtime"
+
+
+def test_simplified_programs_match_eager() -> None:
+    # efx.compile's default backend runs simplify_for_runtime
+    check_against_eager(nn.Sequential(Block(), Block(), Block()), torch.randn(2, 4, requires_grad=True),
+                        forms=())
+    check_against_eager(lambda x: (x.t().t().detach() * x).sum(), torch.randn(3, 3, requires_grad=True),
+                        forms=())
