@@ -131,6 +131,10 @@ class CompiledCallable:
         return [(names[id(sub)], attr) for sub, attrs in self._attributes or () for attr in attrs]
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
+            return (torch.is_grad_enabled(), ("tensors", len(args)), self._module_key(), *[
+                (a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args]), list(args)
         leaves, spec = tree_flatten((args, kwargs))
         parts: list[Any] = [torch.is_grad_enabled(), spec, self._module_key()]
         for leaf in leaves:
