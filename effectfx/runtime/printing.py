@@ -17,16 +17,20 @@ _GLOBALS = {
     "effectfx_ops_sink_tokens": "effectfx.ops.sink_tokens",
 }
 _GLOBAL_RE = re.compile("|".join(_GLOBALS))
+_DIRECT_RE = re.compile(r"\b(_op\d+_\w+)\(")
 
 
 def graph_code(gm: fx.GraphModule, name: str = "forward") -> str:
     """The body of ``gm`` as Python, without FX's bookkeeping (``x = None`` frees, blank lines)."""
+    display = getattr(gm.graph._codegen, "display_names", None)  # passes.direct_calls: ops by their names
     lines = []
     for line in gm.code.splitlines():
         if not line.strip():
             continue
         line = _DEL_SUFFIX.sub("", line.rstrip())
         line = _GLOBAL_RE.sub(lambda m: _GLOBALS[m.group(0)], line)
+        if display:
+            line = _DIRECT_RE.sub(lambda m: display.get(m.group(1), m.group(1)) + "(", line)
         if line.startswith("def forward("):
             line = line.replace("def forward(", f"def {name}(", 1)
         lines.append(line)
