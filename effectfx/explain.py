@@ -19,7 +19,6 @@ passed directly too.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from torch.utils._pytree import tree_unflatten
 
 from . import ops
 from .capture.meta import TensorMeta
+from .capture.region_call import leaf_names
 from .effects import effect_of
 from .runtime.compile import CompiledCallable, CompiledEntry
 from .runtime.printing import subgraphs
@@ -362,25 +362,9 @@ def _describe_inputs(prog: Program, fn: Any) -> str:
 
 def _leaf_names(fn: Any, spec: Any, n_leaves: int) -> list[str]:
     """Names of the leaves of ``(args, kwargs)`` shaped like ``spec``, from ``fn``'s signature."""
-    from torch.utils._pytree import tree_flatten_with_path
-
     args, kwargs = tree_unflatten(list(range(n_leaves)), spec)
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    try:
-        positional = [p.name for p in inspect.signature(target).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        positional = []
-    names = []
-    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
-        head = path[1]
-        if path[0].idx == 0:
-            base = positional[head.idx] if head.idx < len(positional) else f"arg{head.idx}"
-        else:
-            base = str(head.key)
-        rest = "_".join(str(getattr(p, "idx", getattr(p, "key", ""))) for p in path[2:])
-        names.append(f"{base}[{rest}]" if rest else base)
-    return names
+    return leaf_names(target, args, kwargs, nested="{base}[{rest}]")
 
 
 def _body_reports(prog: Program | TrainingProgram,

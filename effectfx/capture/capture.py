@@ -16,7 +16,7 @@ from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
 from .meta import OperandSource
-from .region_call import _leaf_names
+from .region_call import leaf_names
 from .trace import Scope, trace_graph
 from .tracer import Tracer
 
@@ -53,7 +53,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
     tracer = Tracer()
     leaves, spec = tree_flatten((args, kwargs))
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    names = _leaf_names(target, args, kwargs)
+    names = leaf_names(target, args, kwargs)
     scope = Scope(tracer, "root", param_names=_param_names(fn))
     with _active(tracer):
         new_leaves = list(leaves)

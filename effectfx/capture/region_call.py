@@ -94,7 +94,8 @@ def cache_key(fn: Any, leaves: list[Any], spec: Any) -> tuple:
     return (torch.is_grad_enabled(), spec, closure, *map(_value_key, leaves))
 
 
-def _leaf_names(fn: Any, args: tuple, kwargs: dict) -> list[str]:
+def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}") -> list[str]:
+    """A name per leaf of ``(args, kwargs)`` from ``fn``'s parameters: ``x``, ``args_0``, ``cfg_1``."""
     try:
         positional = [
             p.name for p in inspect.signature(fn).parameters.values()
@@ -110,7 +111,7 @@ def _leaf_names(fn: Any, args: tuple, kwargs: dict) -> list[str]:
         else:
             base = str(head.key)
         rest = "_".join(str(getattr(p, "idx", getattr(p, "key", ""))) for p in path[2:])
-        names.append(f"{base}_{rest}" if rest else base)
+        names.append(nested.format(base=base, rest=rest) if rest else base)
     return names
 
 
@@ -201,7 +202,7 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
             for name, t in chain(leaf.named_parameters(), leaf.named_buffers()):
                 module_params.setdefault(id(t), (i, name))
     scope = Scope(tracer, region.name, region, module_params)
-    names = _leaf_names(region.fn, args, kwargs)
+    names = leaf_names(region.fn, args, kwargs)
     new_leaves = list(leaves)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
