@@ -61,7 +61,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
             for i, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor):
                     fake = tracer.to_fake(leaf)
-                    scope.add_input(names[i], OperandSource("arg", i), fake, fake)
+                    scope.add_input(names[i], OperandSource("arg", i), fake)
                     new_leaves[i] = fake
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
         traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root",

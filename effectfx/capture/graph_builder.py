@@ -23,10 +23,10 @@ class GraphBuilder:
 
     ``values`` maps ``id(fake tensor)`` to the node that produces it in *this* graph; tensors of other
     graphs are unknown here and must be lifted (Note [Region identity]).  ``lift`` is asked for a node
-    when an unknown tensor shows up; it returns None if the tensor may not be lifted.
+    when an unknown tensor shows up, and raises if the tensor may not be lifted.
     """
 
-    def __init__(self, name: str, lift: Callable[[torch.Tensor], fx.Node | None]) -> None:
+    def __init__(self, name: str, lift: Callable[[torch.Tensor], fx.Node]) -> None:
         self.name = name
         self.graph = fx.Graph()
         self.values: dict[int, fx.Node] = {}
@@ -47,8 +47,6 @@ class GraphBuilder:
             node = self.values.get(id(value))
             if node is None:
                 node = self.lift(value)
-                if node is None:
-                    raise KeyError(id(value))
                 self.bind(value, node)
             return node
         return value

@@ -24,6 +24,9 @@ class TensorMeta:
         device = getattr(t, "fake_device", None) or t.device
         return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, device, t.requires_grad)
 
+    def without_grad(self) -> TensorMeta:
+        return TensorMeta(self.shape, self.stride, self.dtype, self.device, False)
+
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         contiguous, step = [], 1

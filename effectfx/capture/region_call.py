@@ -130,7 +130,7 @@ def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr:
         if meta is None:
             results.append(None)
             continue
-        fake = tracer.new_fake(TensorMeta(meta.shape, meta.stride, meta.dtype, meta.device, False))
+        fake = tracer.new_fake(meta.without_grad())
         builder.bind(fake, builder.call(operator.getitem, (call, i)))
         results.append(fake)
     return results
@@ -207,7 +207,7 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             fake = tracer.new_fake(TensorMeta.of(leaf))
-            scope.add_input(names[i], OperandSource("arg", i), fake, fake)
+            scope.add_input(names[i], OperandSource("arg", i), fake)
             new_leaves[i] = fake
     body_args, body_kwargs = tree_unflatten(new_leaves, spec)
     tracer.region_stack.append(region)

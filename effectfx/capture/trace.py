@@ -47,12 +47,12 @@ class Scope:
         self.values: list[torch.Tensor] = []  # autograd-level value of each input
         self.builder = GraphBuilder(name, self.lift)
 
-    def add_input(self, name: str, source: OperandSource, value: torch.Tensor, fake: torch.Tensor) -> None:
+    def add_input(self, name: str, source: OperandSource, fake: torch.Tensor) -> None:
         self.builder.placeholder(placeholder_name(name), fake)
         self.sources.append(source)
-        self.values.append(value)
+        self.values.append(fake)
 
-    def lift(self, fake: torch.Tensor) -> fx.Node | None:
+    def lift(self, fake: torch.Tensor) -> fx.Node:
         real = self.tracer.real_of.get(id(fake))
         if real is None:
             if self.region is None:
@@ -91,9 +91,8 @@ def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str
         else:
             raise UnsupportedReturnError(
                 f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}) at {return_lines(fn)}; effectfx "
-                "graphs can return "
-                "tensors, numbers, strings and None inside tuples, lists and dicts. Return tensors (or "
-                "a pytree of them) and build other objects outside."
+                "graphs can return tensors, numbers, strings and None inside tuples, lists and dicts. "
+                "Return tensors (or a pytree of them) and build other objects outside."
             )
     return spec, layout, tensors
 
@@ -128,8 +127,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         diff_outs = [t for t in tensors if t.requires_grad]
         tangents = []
         for i, t in enumerate(diff_outs):
-            meta = TensorMeta.of(t)
-            tangent = tracer.new_fake(TensorMeta(meta.shape, meta.stride, meta.dtype, meta.device, False))
+            tangent = tracer.new_fake(TensorMeta.of(t).without_grad())
             builder.placeholder(f"tangent_{i}", tangent).meta["tangent"] = True
             tangents.append(tangent)
         n_inputs = len(scope.values)
