@@ -36,6 +36,7 @@ class GraphBuilder:
         self.attrs: dict[int, fx.Node] = {}
         self.holder = torch.nn.Module()
         self._placeholders_end: fx.Node | None = None
+        self._input_names: set[str] = set()
 
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         self.values[id(tensor)] = node
@@ -52,6 +53,12 @@ class GraphBuilder:
         return value
 
     def placeholder(self, name: str, value: Any) -> fx.Node:
+        # a placeholder's target is its parameter name in the generated code: it must be unique
+        base, n = name, 0
+        while name in self._input_names:
+            n += 1
+            name = f"{base}_{n}"
+        self._input_names.add(name)
         # placeholders must precede every other node, even when lifted in the middle of a trace
         if self._placeholders_end is None:
             node = self.graph.placeholder(name)

@@ -76,3 +76,14 @@ class TracedGraph:
     @property
     def n_outs(self) -> int:
         return len(self.out_meta)
+
+    def passthrough(self) -> dict[int, int]:
+        """{tensor output k: input j} for outputs that are an input returned unchanged."""
+        found = self.__dict__.get("_passthrough")
+        if found is None:
+            inputs = [n for n in self.forward.graph.nodes if n.op == "placeholder"]
+            output = next(iter(reversed(self.forward.graph.nodes)))
+            outs = output.args[0][: self.n_outs]
+            found = {k: inputs.index(o) for k, o in enumerate(outs) if o in inputs}
+            self.__dict__["_passthrough"] = found
+        return found

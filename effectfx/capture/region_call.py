@@ -188,6 +188,10 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         outs = list(RegionCall.apply(tracer, body, *operands))
     else:
         outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
+    # a body that returns an operand unchanged hands the caller that very tensor, as eager does (under
+    # no_grad too, where a fresh result would wrongly stop requiring grad)
+    for k, j in traced.passthrough().items():
+        outs[k] = operands[j]
     out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
     return tree_unflatten(out_leaves, traced.out_spec)
 

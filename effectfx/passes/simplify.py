@@ -5,7 +5,8 @@ computing the same values with the same effects in the same order, with the call
 needed removed.  Rules, keyed by op (``RULES``):
 
 ========================  =====================================================================
-``aten.detach(x)``         ``x``: without autograd recording, detach is the identity on values
+``aten.detach(x)``         ``x``: without autograd recording, detach is the identity on values (kept
+                           where the result is returned: it must not alias an input)
 ``aten.t(aten.t(x))``      ``x``: the double transposes a joint trace leaves in backward formulas
 ========================  =====================================================================
 """
@@ -24,7 +25,24 @@ from .rewrite import GraphContext, GraphRewrite
 aten = torch.ops.aten
 
 
+def _reaches_output(node: fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user.op == "output":
+                return True
+            if user not in seen and user.target is aten.detach.default:
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
 def _drop_detach(ctx: GraphContext, node: fx.Node) -> Any:
+    # a detached value the graph returns must stay a separate tensor: dropping the detach could hand
+    # the caller its own input back (which requires grad) where eager returns a detached alias
+    if _reaches_output(node):
+        return ctx.copy(node)
     return ctx.value(node.args[0], node)
 
 
