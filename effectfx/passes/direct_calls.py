@@ -1,9 +1,12 @@
-"""direct_op_calls: compiled graphs call operators without the Python ``OpOverload.__call__`` layer.
+"""Direct operator calls: generated code without the Python ``OpOverload.__call__`` layer.
 
-Contract: requires the token-free form (what runs); gives a new Program whose graphs compute the same
-values with the same effects in the same order, but whose generated code calls each operator's C++ entry
-point (``OpOverload._op``) directly -- about 1-2 us less per op, which is most of what a small layer
-costs.  ``print(prog)`` still shows ``torch.ops.ns.op.overload``.
+:class:`DirectOpCodeGen` makes a graph's code call each operator's C++ entry point (``OpOverload._op``)
+directly -- about 1-2 us less per op, which is most of what a small layer costs; ``print(prog)`` still
+shows ``torch.ops.ns.op.overload``.  ``simplify_for_runtime`` installs it on the graphs it rebuilds;
+:func:`direct_op_calls` is the same as a pass of its own.
+
+Contract of ``direct_op_calls``: requires the token-free form (what runs); gives a new Program whose
+graphs compute the same values with the same effects in the same order.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""simplify_for_runtime: fewer calls in the graphs efx.compile runs.
+"""simplify_for_runtime: fewer and cheaper calls in the graphs efx.compile runs.
 
 Contract: requires the token-free form (graphs run with grad disabled, DESIGN §2.4); gives a new Program
 computing the same values with the same effects in the same order, with the calls that only autograd
-needed removed.  Rules, keyed by op (``RULES``):
+needed removed, and generated code that calls operators directly (``passes.direct_calls``).  Rules, keyed
+by op (``RULES``):
 
 ========================  =====================================================================
 ``aten.detach(x)``         ``x``: without autograd recording, detach is the identity on values (kept
@@ -20,6 +21,7 @@ import torch.fx as fx
 
 from ..runtime.program import Program
 from .dce import eliminate_dead_code
+from .direct_calls import DirectOpCodeGen
 from .rewrite import GraphContext, GraphRewrite
 
 aten = torch.ops.aten
@@ -66,6 +68,7 @@ class Simplify(GraphRewrite):
 
     def done(self, gm: fx.GraphModule) -> None:
         eliminate_dead_code(gm.graph)  # the transposes a fold left without users
+        gm.graph.set_codegen(DirectOpCodeGen())  # same rebuild, so direct calls cost nothing extra
         gm.recompile()
 
 

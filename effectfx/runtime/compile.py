@@ -22,7 +22,6 @@ from ..capture.capture import trace_program
 from ..capture.meta import TensorMeta
 from ..capture.region_call import plain_value
 from ..functionalize import discover_effects, thread_tokens
-from ..passes.direct_calls import direct_op_calls
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from ..passes.simplify import simplify_for_runtime
@@ -40,7 +39,7 @@ def lower_to_inductor(prog: Program) -> Program:
 # "eager" goes captured -> token-free directly: discover_effects checks region effects as thread_tokens
 # does, without the round trip through tokens that would rebuild every graph into the same one.
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
-    "eager": [discover_effects, simplify_for_runtime, direct_op_calls],
+    "eager": [discover_effects, simplify_for_runtime],
     "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
 }
 
