@@ -18,8 +18,10 @@ capture order, so its effect log equals eager's exactly.
 
 The unlifted form keeps the chain but not the boundary: each graph makes its tokens with ``make_token()``
 and keeps its last ones alive with ``sink_tokens([...])``; a call of an effectful region is itself wrapped
-as ``with_effects(token, invoke_subgraph, subgraph, identifier, *operands)``.  The token-free form drops
-tokens entirely and relies on node order plus the impurity of effectful nodes.
+as ``with_effects(token, invoke_subgraph, subgraph, identifier, *operands)`` (for a region with several
+keys, ``token`` is the tuple of its tokens in sorted key order, and so is element 0 of the result).  The
+token-free form drops tokens entirely and relies on node order plus the impurity of effectful nodes; the
+captured form already is token-free, which is why efx.compile goes there directly (``discover_effects``).
 
 Note [Region identity]
 ~~~~~~~~~~~~~~~~~~~~~~
