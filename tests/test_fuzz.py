@@ -31,7 +31,7 @@ from effectfx.testing.generator import (
 
 # statement kinds that hit a known, not yet fixed bug are listed here (and left out of the sample) so the
 # sample keeps finding everything else; each must have an xfail reproducer below.
-KNOWN_BUGS: tuple[str, ...] = ("detach",)  # test_compile_of_detached_input
+KNOWN_BUGS: tuple[str, ...] = ()
 
 SAMPLE = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -210,14 +210,13 @@ def test_reproducer_is_standalone(tmp_path: object) -> None:
     assert "ok:" in done.stdout
 
 
-# -- bugs the fuzzer found (minimized by hand from its reproducers) ------------------------------------------
+# -- bugs the fuzzer found (minimized by hand from its reproducers; fixed in 1eb5352) ----------------------
 A_CONST = torch.randn(4, 4)
 B_CONST = torch.randn(4, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a region reading two closed-over constant tensors gets two "
-                                       "placeholders named 'lifted' (SyntaxError: duplicate argument)")
 def test_region_reading_two_constants() -> None:
+    # was: two placeholders named 'lifted' (SyntaxError: duplicate argument)
     @efx.region
     def two_consts(x):
         return x @ A_CONST + x @ B_CONST
@@ -226,9 +225,8 @@ def test_region_reading_two_constants() -> None:
     assert torch.allclose(efx.capture(lambda x: two_consts(x), x)(x), two_consts(x))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an identity region called under no_grad returns the caller's "
-                                       "tensor twice; marking one output non-differentiable drops both grads")
 def test_identity_region_under_no_grad_keeps_gradients() -> None:
+    # was: the caller's tensor came back twice, and marking one output non-differentiable dropped both grads
     @efx.region
     def ident(x):
         return x
@@ -243,9 +241,8 @@ def test_identity_region_under_no_grad_keeps_gradients() -> None:
     assert [t.requires_grad for t in efx.capture(f, x)(x)] == [True, True]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: efx.compile's simplify_for_runtime drops aten.detach, so "
-                                       "`return x.detach()` returns x itself, which requires grad")
 def test_compile_of_detached_input() -> None:
+    # was: simplify_for_runtime dropped aten.detach, so `return x.detach()` returned x itself
     x = torch.randn(3, requires_grad=True)
     assert not efx.capture(lambda x: x.detach(), x)(x).requires_grad
     assert not efx.compile(lambda x: x.detach())(x).requires_grad
