@@ -35,7 +35,6 @@ class Region:
         self.name = name or _default_name(fn)
         # cache key -> effect keys seen when that key's body was functionalized (across captures)
         self.known_effects: dict[Any, frozenset[str]] = {}
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<effectfx region {self.name!r}>"

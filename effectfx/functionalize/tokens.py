@@ -63,13 +63,13 @@ class _Functionalizer:
 
     def body(self, gm: fx.GraphModule, identifier: str) -> tuple[fx.GraphModule, tuple[str, ...]]:
         if id(gm) not in self.done:
-            new, keys = self.graph(gm, f"region {identifier!r}")
+            new, keys = self.graph(gm)
             self.effects[identifier] = frozenset(keys)
             check_region_effects(gm, frozenset(keys), self.commits)
             self.done[id(gm)] = (new, keys)
         return self.done[id(gm)]
 
-    def graph(self, gm: fx.GraphModule, what: str) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    def graph(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
         graph = fx.Graph()
         holder = torch.nn.Module()
         env: dict[fx.Node, Any] = {}
@@ -146,7 +146,7 @@ class _Functionalizer:
 def thread_tokens(prog: Program) -> Program:
     """Captured form -> functionalized form (see the module docstring for the contract)."""
     f = _Functionalizer()
-    root, keys = f.graph(prog.graph_module, prog.name)
+    root, keys = f.graph(prog.graph_module)
     _commit(f.commits)
     regions = {
         ident: RegionEntry(entry.name, entry.traces, f.effects.get(ident, frozenset()))
