@@ -88,3 +88,15 @@ def test_routes_agree_for_a_module_stack() -> None:
 def test_compiled_default_backend_matches_eager() -> None:
     check_against_eager(program, torch.randn(3, requires_grad=True), forms=())
     check_against_eager(nn.Sequential(Block(), Block()), torch.randn(2, 4), forms=())
+
+
+def test_replaced_submodule_is_seen() -> None:
+    """Compiled modules read parameters from submodules: replacing one must not leave a stale program."""
+    model = nn.Sequential(Block(), Block())
+    cm = efx.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        cm(x)
+        model[1] = Block()
+        torch.testing.assert_close(cm(x), model(x))
+    assert cm.stats.compiles == 2

@@ -104,18 +104,26 @@ class CompiledCallable:
         self._module = module if isinstance(module, torch.nn.Module) else None
         self._attributes: list[tuple[torch.nn.Module, list[str]]] | None = None
         self._slots: dict[int, Slot] = {}
+        self._children: list[tuple[dict, str, torch.nn.Module]] = []  # (parent._modules, name, child)
         self.__wrapped__ = fn
 
     def _module_key(self) -> tuple:
         """Every submodule's plain attributes (``training`` among them): state that changes a trace."""
         if self._module is None:
             return ()
+        if self._attributes is not None and not all(d.get(n) is c for d, n, c in self._children):
+            # a submodule was replaced: programs read the old one's parameters, so start over
+            with self._lock:
+                self.cache.clear()
+                self._attributes, self._slots = None, {}
         if self._attributes is None:  # walking the module tree on every call would cost more than eager
+            subs = list(self._module.modules())
+            self._children = [(sub._modules, n, c) for sub in subs for n, c in sub._modules.items()]
             self._attributes = [
                 (sub, [k for k, v in vars(sub).items() if not k.startswith("_") and plain_value(v)])
-                for sub in self._module.modules()
+                for sub in subs
             ]
-            for sub in self._module.modules():
+            for sub in subs:
                 for table in (sub._parameters, sub._buffers):
                     for name, t in table.items():
                         if t is not None:
