@@ -4,7 +4,8 @@ The signature is what can change a trace: the structure of the arguments, every 
 dtype, device and requires_grad, the values of non-tensor arguments, grad mode, and -- for modules -- every
 submodule's plain attributes (``training`` among them).  Parameters and buffers are read from their module
 at each call, so an optimizer's in-place updates and reassigned parameters are seen; one whose metadata
-differs from the traced one (shape, dtype, requires_grad) makes a new program.
+differs from the traced one (shape, dtype, requires_grad) makes a new program, and a replaced submodule
+drops every cached program.
 """
 
 from __future__ import annotations
