@@ -452,7 +452,7 @@ def _signature_labels(cc: CompiledCallable, entry: CompiledEntry) -> tuple[str, 
         names = _leaf_names(cc.fn, sig.spec, sig.spec.num_leaves)
     except Exception:  # noqa: BLE001
         names = [f"arg{i}" for i in range(sig.spec.num_leaves)]
-    return ("grad mode", "argument structure", "module state", *names)
+    return ("grad mode", "argument structure", "module state", *names, "closure and globals")
 
 
 def _diff_module_key(cc: CompiledCallable, a: tuple, b: tuple) -> list[str]:

@@ -652,8 +652,6 @@ def test_unknown_backend() -> None:
     assert_clear(info.value, names="no-such-backend", line=None, advice=r"choose one of")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: efx.compile does not guard Python state read during capture; "
-                                       "toggling a global flag after compiling silently drops an effect")
 def test_compiled_callable_sees_global_flag_change() -> None:
     flag = {"log": False}
 

@@ -278,3 +278,43 @@ def test_reassigned_buffer_is_seen():
     cm(x)
     m.b = torch.full((2,), 5.0)
     assert torch.allclose(cm(x), m(x))
+
+
+LOG_LEVEL = 0  # read by _logged_by_global below: a plain global the compiled function names directly
+
+
+def _logged_by_global(x):
+    if LOG_LEVEL > 0:
+        R.record_stdout("global")
+    return x * 2
+
+
+def test_plain_global_named_by_the_function_recompiles():
+    global LOG_LEVEL
+    cf = efx.compile(_logged_by_global)
+    x = torch.randn(3)
+    with recording() as log:
+        cf(x)
+    assert log == []
+    LOG_LEVEL = 1
+    try:
+        with recording() as log:
+            cf(x)
+        assert log == [("record_stdout", "global")]
+        assert cf.stats.compiles == 2
+    finally:
+        LOG_LEVEL = 0
+
+
+def test_closed_over_plain_value_recompiles():
+    scale = [2.0]
+
+    def f(x):
+        return x * scale[0]
+
+    cf = efx.compile(f)
+    x = torch.randn(3)
+    torch.testing.assert_close(cf(x), x * 2.0)
+    scale[0] = 5.0
+    torch.testing.assert_close(cf(x), x * 5.0)
+    assert cf.stats.compiles == 2

@@ -45,6 +45,17 @@ BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
 }
 
 
+def _shallow(value: Any) -> Any:
+    """A hashable snapshot of plain data (numbers, strings, and dicts/lists/tuples of them), else None."""
+    if plain_value(value):
+        return value
+    if isinstance(value, dict):
+        return ("dict", tuple((k, v) for k, v in value.items() if plain_value(k) and plain_value(v)))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(v for v in value if plain_value(v)))
+    return None
+
+
 Slot = tuple[dict, str]  # (a module's _parameters or _buffers dict, name): where a lifted tensor lives
 
 
@@ -106,6 +117,7 @@ class CompiledCallable:
         self._attributes: list[tuple[torch.nn.Module, list[str]]] | None = None
         self._slots: dict[int, Slot] = {}
         self._children: list[tuple[dict, str, torch.nn.Module]] = []  # (parent._modules, name, child)
+        self._state_readers: list[Callable[[], Any]] | None = None
         self.__wrapped__ = fn
 
     def _module_key(self) -> tuple:
@@ -139,11 +151,30 @@ class CompiledCallable:
         names = {id(m): n or type(self._module).__name__ for n, m in self._module.named_modules()}
         return [(names[id(sub)], attr) for sub, attrs in self._attributes or () for attr in attrs]
 
+    def _python_state(self) -> tuple:
+        """Plain values the compiled function reads from its closure or names as globals (shallowly into
+        dicts and lists): Python state a trace bakes in, like a logging flag.  Deeper reads (callees,
+        object attributes) are not seen; see docs/SUPPORT.md."""
+        if self._state_readers is None:
+            fn = getattr(self.fn, "__func__", self.fn)
+            code = getattr(fn, "__code__", None)
+            readers: list[Callable[[], Any]] = []
+            if code is not None and self._module is None:
+                for cell in getattr(fn, "__closure__", None) or ():
+                    readers.append(lambda cell=cell: _shallow(cell.cell_contents))
+                scope = getattr(fn, "__globals__", {})
+                for name in code.co_names:
+                    if name in scope and _shallow(scope[name]) is not None:
+                        readers.append(lambda name=name: _shallow(scope.get(name)))
+            self._state_readers = readers
+        return tuple([read() for read in self._state_readers])
+
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
             return (torch.is_grad_enabled(), ("tensors", len(args)), self._module_key(), *[
-                (a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args]), list(args)
+                (a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args],
+                self._python_state()), list(args)
         leaves, spec = tree_flatten((args, kwargs))
         parts: list[Any] = [torch.is_grad_enabled(), spec, self._module_key()]
         for leaf in leaves:
@@ -155,6 +186,7 @@ class CompiledCallable:
                     parts.append(leaf)
                 except TypeError:
                     parts.append(("object", id(leaf)))
+        parts.append(self._python_state())
         return tuple(parts), leaves
 
     def entry_for(self, args: tuple, kwargs: dict) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
