@@ -28,9 +28,10 @@ Note [Region identity]
 A region (``@effectfx.region``) is traced once per *cache key* and then called through
 ``invoke_subgraph(subgraph, identifier, *operands)``.  The cache key is everything that can change the
 trace: the metadata (shape, stride, dtype, device, requires_grad) of every tensor argument, the value of
-every non-tensor argument, grad mode, and for module methods the module's class, the metadata of its
-parameters and buffers (by name) and its plain attributes (``training`` and friends).  Identifiers
-``subgraph_0, subgraph_1, ...`` are given in order of first trace within one capture.
+every non-tensor argument, grad mode, the values the function closes over, and for module methods the
+module's class, the metadata of its parameters and buffers (by name) and its plain attributes
+(``training`` and friends).  Identifiers ``subgraph_0, subgraph_1, ...`` are given in order of first trace
+within one capture; a body that returns an operand unchanged hands the caller that very tensor back.
 
 Operands are the tensor arguments followed by *lifted* tensors: the module's parameters and buffers by
 name (so N blocks with different weights share one subgraph) and any other real tensor the body reads
