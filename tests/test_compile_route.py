@@ -11,6 +11,7 @@ from effectfx.functionalize import discover_effects, thread_tokens
 from effectfx.passes.pipeline import run_passes
 from effectfx.runtime.printing import subgraphs
 from effectfx.testing import check_against_eager
+from effectfx.testing.models import Block
 
 R = torch.ops.efxtest
 
@@ -46,16 +47,6 @@ def program(x):
     inner(x)  # effect only: result unused
     return y.sum()
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    @efx.region
-    def forward(self, x):
-        R.record_memory("block")
-        return torch.relu(self.lin(x))
 
 
 def _both_routes(fn, *args):

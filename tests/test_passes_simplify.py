@@ -10,19 +10,10 @@ from effectfx.functionalize import discover_effects
 from effectfx.passes.pipeline import run_passes
 from effectfx.passes.simplify import simplify_for_runtime
 from effectfx.testing import check_against_eager
+from effectfx.testing.models import Block
 
 R = torch.ops.efxtest
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    @efx.region
-    def forward(self, x):
-        R.record_memory("block")
-        return torch.relu(self.lin(x))
 
 
 def _programs(model: nn.Module, x: torch.Tensor) -> tuple[efx.TrainingProgram, efx.TrainingProgram]:
