@@ -55,3 +55,34 @@ def test_random_ops_follow_the_global_generator() -> None:
     a = prog(x)
     torch.manual_seed(3)
     torch.testing.assert_close(a, x + torch.randn(3))
+
+
+class Masked(torch.nn.Module):
+    """A plain (unregistered) tensor attribute: it differs per instance, like a parameter."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.mask = torch.full((3,), value)
+
+    @efx.region
+    def forward(self, x):
+        torch.ops.efxtest.record_memory("masked")
+        return x * self.mask
+
+
+def test_plain_tensor_attributes_are_operands_by_name() -> None:
+    """Two instances share one body, each passing its own mask (a by-identity lift would reuse the first)."""
+    a, b = Masked(2.0), Masked(5.0)
+    f = lambda x: b(a(x))  # noqa: E731
+    prog = efx.capture(f, torch.randn(3))
+    assert prog.region_traces == {"subgraph_0": 1}
+    check_against_eager(f, torch.randn(3))
+
+
+def test_compiled_module_sees_a_reassigned_tensor_attribute() -> None:
+    m = Masked(2.0)
+    cm = efx.compile(m)
+    x = torch.randn(3)
+    torch.testing.assert_close(cm(x), x * 2.0)
+    m.mask = torch.full((3,), 7.0)
+    torch.testing.assert_close(cm(x), x * 7.0)

@@ -12,6 +12,7 @@ import inspect
 import operator
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -55,6 +56,16 @@ def plain_value(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
+def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
+    stored as ``self.mask = ...``), which differ between instances just as parameters do."""
+    yield from chain(module.named_parameters(), module.named_buffers())
+    for prefix, sub in module.named_modules():
+        for k, v in vars(sub).items():
+            if isinstance(v, torch.Tensor) and not k.startswith("_"):
+                yield (f"{prefix}.{k}" if prefix else k), v
+
+
 def _module_state(module: torch.nn.Module) -> tuple:
     """Everything about a module that can change a trace, except its identity (Note [Region identity])."""
     parts: list[Any] = []
@@ -62,9 +73,7 @@ def _module_state(module: torch.nn.Module) -> tuple:
         attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
                              if not k.startswith("_") and plain_value(v)))
         parts.append((prefix, type(sub), attrs))
-    tensors = tuple(
-        (name, TensorMeta.of(t)) for name, t in chain(module.named_parameters(), module.named_buffers())
-    )
+    tensors = tuple((name, TensorMeta.of(t)) for name, t in module_tensors(module))
     return (tuple(parts), tensors)
 
 
@@ -203,7 +212,7 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     module_params: dict[int, tuple[int, str]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.nn.Module):
-            for name, t in chain(leaf.named_parameters(), leaf.named_buffers()):
+            for name, t in module_tensors(leaf):
                 module_params.setdefault(id(t), (i, name))
     scope = Scope(tracer, region.name, region, module_params)
     names = leaf_names(region.fn, args, kwargs)

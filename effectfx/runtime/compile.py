@@ -56,7 +56,7 @@ def _shallow(value: Any) -> Any:
     return None
 
 
-Slot = tuple[dict, str]  # (a module's _parameters or _buffers dict, name): where a lifted tensor lives
+Slot = tuple[dict, str]  # (a module's _parameters, _buffers or __dict__, name): where a lifted tensor lives
 
 
 @dataclass
@@ -136,10 +136,10 @@ class CompiledCallable:
                 (sub, [k for k, v in vars(sub).items() if not k.startswith("_") and plain_value(v)])
                 for sub in subs
             ]
-            for sub in subs:
-                for table in (sub._parameters, sub._buffers):
+            for sub in subs:  # parameters, buffers and plain tensor attributes, where they live
+                for table in (sub._parameters, sub._buffers, vars(sub)):
                     for name, t in table.items():
-                        if t is not None:
+                        if isinstance(t, torch.Tensor) and not name.startswith("_"):
                             self._slots.setdefault(id(t), (table, name))
         return tuple([getattr(sub, name, None) for sub, names in self._attributes for name in names])
 
