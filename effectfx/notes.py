@@ -33,8 +33,8 @@ module's class, the metadata of its parameters and buffers (by name) and its pla
 (``training`` and friends).  Identifiers ``subgraph_0, subgraph_1, ...`` are given in order of first trace
 within one capture; a body that returns an operand unchanged hands the caller that very tensor back.
 
-Operands are the tensor arguments followed by *lifted* tensors: the module's parameters and buffers by
-name (so N blocks with different weights share one subgraph) and any other real tensor the body reads
+Operands are the tensor arguments followed by *lifted* tensors: the module's parameters, buffers and
+plain tensor attributes by name (so N blocks with different weights share one subgraph) and any other real tensor the body reads
 (by identity: globals and closed-over constants).  A body may not read an intermediate tensor of its
 caller that is not an argument -- a different call would silently see a stale value -- so that is an error.
 
