@@ -34,9 +34,10 @@ module's class, the metadata of its parameters and buffers (by name) and its pla
 within one capture; a body that returns an operand unchanged hands the caller that very tensor back.
 
 Operands are the tensor arguments followed by *lifted* tensors: the module's parameters, buffers and
-plain tensor attributes by name (so N blocks with different weights share one subgraph) and any other real tensor the body reads
-(by identity: globals and closed-over constants).  A body may not read an intermediate tensor of its
-caller that is not an argument -- a different call would silently see a stale value -- so that is an error.
+plain tensor attributes by name (so N blocks with different weights share one subgraph) and any other
+real tensor the body reads (by identity: globals and closed-over constants).  A body may not read an
+intermediate tensor of its caller that is not an argument -- a different call would silently see a stale
+value -- so that is an error.
 
 The effects of a body are discovered when it is functionalized: the tokens of every key before and after
 the body are compared, and each key whose token changed is an effect of the region.  The set is stored in

@@ -86,3 +86,36 @@ def test_compiled_module_sees_a_reassigned_tensor_attribute() -> None:
     torch.testing.assert_close(cm(x), x * 2.0)
     m.mask = torch.full((3,), 7.0)
     torch.testing.assert_close(cm(x), x * 7.0)
+
+
+def _setitem(x):
+    y = x * 1
+    y[0] = 5.0
+    return y * 2
+
+
+def test_setitem_on_an_intermediate_writes_back_through_the_base() -> None:
+    """Proves the write-back rule: a write into a view becomes as_strided_scatter into its base."""
+    code = efx.capture(_setitem, torch.randn(3), functionalize=False).code()
+    assert code.splitlines() == [
+        "def forward(self, x, lifted):",  # the 5.0 PyTorch wraps in a tensor: a constant input
+        "    mul = torch.ops.aten.mul.Tensor(x, 1)",
+        "    lift_fresh = torch.ops.aten.lift_fresh.default(lifted)",
+        "    select = torch.ops.aten.select.int(mul, 0, 0)",
+        "    copy = torch.ops.aten.copy.default(select, lift_fresh)",
+        "    as_strided_scatter = torch.ops.aten.as_strided_scatter.default(mul, copy, [], [], 0)",
+        "    mul_1 = torch.ops.aten.mul.Tensor(as_strided_scatter, 2)",
+        "    return (mul_1,)",
+    ]
+
+
+@pytest.mark.parametrize("fn", [
+    _setitem,
+    lambda x: (lambda y: (y[:, :2].mul_(3), y.t().relu())[1])(x.sin()),   # write into a slice, read a view
+    lambda x: (lambda y, v: (y.mul_(3), v + 1)[1])(*(lambda y: (y, y[1]))(x * 2)),  # base written, view read
+    lambda x: (lambda y: (y.detach().add_(1), y)[1])(x * 2),              # through a detached alias
+])
+def test_writes_through_aliases_match_eager(fn) -> None:
+    shape = (3,) if fn is _setitem else (3, 4)
+    check_against_eager(fn, torch.randn(*shape, requires_grad=True))
+    check_against_eager(fn, torch.randn(*shape))

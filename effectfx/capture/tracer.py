@@ -93,7 +93,8 @@ class Tracer(TorchDispatchMode):
         self.fake_of: dict[int, torch.Tensor] = {}  # id(real) -> its fake
         self.keepalive: list[torch.Tensor] = []
         self.recording = True
-        self.viewed: set[int] = set()
+        self.base_of: dict[int, torch.Tensor] = {}  # id(view) -> the intermediate it aliases
+        self.views_of: dict[int, list[torch.Tensor]] = {}  # id(base) -> views of it made so far
         self.bodies: dict[Any, Any] = {}  # (region, cache key) -> RegionBody: the region cache
         self.trace_counts: dict[str, int] = {}
         self.region_calls: dict[str, int] = {}
@@ -184,28 +185,64 @@ class Tracer(TorchDispatchMode):
             node.meta["effect_key"] = key
             node.meta["location"] = user_location()
         self._bind_outputs(out, node, mutated)
-        if getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
-            self.viewed.add(id(args[0]))
+        if mutated:
+            self._write_back(mutated[0][1], node)
+        elif getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
+            self._record_views(args[0], out_tensors)
         return out
+
+    # -- aliasing: views of intermediates, and writes through them ----------------------------------
+    def _record_views(self, source: torch.Tensor, views: list[torch.Tensor]) -> None:
+        root = self.base_of.get(id(source), source)
+        for view in views:
+            self.base_of[id(view)] = root
+            self.views_of.setdefault(id(root), []).append(view)
+
+    def _write_back(self, tensor: torch.Tensor, node: fx.Node) -> None:
+        """After ``tensor`` got a new value (``node``): its base and every other view of that base see it,
+        as they would in eager, through ``as_strided_scatter`` / ``as_strided`` on the base's new value."""
+        root = self.base_of.get(id(tensor), tensor)
+        views = self.views_of.get(id(root), ())
+        if root is tensor and not views:
+            return
+        builder = self.builder
+        root_node = node
+        if root is not tensor:
+            root_node = builder.call(aten.as_strided_scatter.default, (
+                builder.values[id(root)], node, list(tensor.shape), list(tensor.stride()),
+                tensor.storage_offset()))
+            builder.bind(root, root_node)
+            root_node.meta["val"] = root
+        for view in views:
+            if view is not tensor:
+                alias = builder.call(aten.as_strided.default, (
+                    root_node, list(view.shape), list(view.stride()), view.storage_offset()))
+                builder.bind(view, alias)
+                alias.meta["val"] = view
 
     def _functionalize(self, func: Any, mutated: list[tuple[str, Any]], key: str | None) -> Any:
         functional = _functional_variant(func)
         for name, tensor in mutated:
             node = self.builder.values.get(id(tensor))
+            root = self.base_of.get(id(tensor), tensor)
+            root_node = self.builder.values.get(id(root))
+            aliased = root is not tensor or bool(self.views_of.get(id(tensor)))
             problem = None
             if key is not None:
                 problem = "an effectful op that mutates its arguments"
-            elif node is None or node.op == "placeholder":
+            elif any(n is None or n.op == "placeholder" for n in (node, root_node)):
                 problem = f"an in-place op ({func}) on an input of the graph (argument {name!r})"
-            elif tensor._is_view() or id(tensor) in self.viewed:
+            elif (aliased and functional is None) or (tensor._is_view() and root is tensor):
+                # no functional twin to write back with, or a view whose base we never saw
                 problem = f"an in-place op ({func}) on a tensor that has views"
             elif len(mutated) != 1 or name != func._schema.arguments[0].name:
                 problem = f"an op ({func}) that writes into its argument {name!r}"
             if problem:
                 raise UnsupportedMutationError(
                     f"{self.where()} contains {problem} at {user_location()}.\n"
-                    "effectfx functionalizes in-place ops only on intermediates without aliases. Use the "
-                    "out-of-place op (e.g. x = x + y instead of x.add_(y)) or clone() the input first."
+                    "effectfx functionalizes in-place ops on intermediates and their views, not on "
+                    "inputs. Use the out-of-place op (e.g. x = x + y instead of x.add_(y)) or clone() "
+                    "the input first."
                 )
         # no functional twin (bernoulli_ in dropout, say): the in-place op stays, on a fresh intermediate
         # nothing else aliases, so running it in graph order is indistinguishable from a functional op
