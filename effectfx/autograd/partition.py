@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..graphs import graph_module
+from ..graphs import Graph, graph_module
 from ..passes.dce import is_effectful
 
 
@@ -59,7 +59,7 @@ def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
     saved = [n for n in nodes if n in saved_set]
     live_fwd = _live(outs + saved + [n for n in forward if is_effectful(n)], forward)
 
-    bwd_graph = fx.Graph()
+    bwd_graph = Graph()
     benv: dict[fx.Node, fx.Node] = {}
     for node in saved:
         ph = bwd_graph.placeholder(node.name)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graphs import graph_module
+from ..graphs import Graph, graph_module
 
 
 def _node_name(target: Any) -> str | None:
@@ -28,7 +28,7 @@ class GraphBuilder:
 
     def __init__(self, name: str, lift: Callable[[torch.Tensor], fx.Node]) -> None:
         self.name = name
-        self.graph = fx.Graph()
+        self.graph = Graph()
         self.values: dict[int, fx.Node] = {}
         self.keepalive: list[torch.Tensor] = []
         self.phase = "forward"

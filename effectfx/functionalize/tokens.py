@@ -23,7 +23,7 @@ from .. import ops
 from ..capture.source import definition
 from ..effects import effect_of, graph_effect_keys
 from ..errors import RegionEffectsChangedError
-from ..graphs import graph_module
+from ..graphs import Graph, graph_module
 from ..runtime.printing import subgraphs
 from ..runtime.program import Program, RegionEntry
 
@@ -70,7 +70,7 @@ class _Functionalizer:
         return self.done[id(gm)]
 
     def graph(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
-        graph = fx.Graph()
+        graph = Graph()
         holder = torch.nn.Module()
         env: dict[fx.Node, Any] = {}
         shift: dict[fx.Node, int] = {}  # node -> how many tokens precede its results

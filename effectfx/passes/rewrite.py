@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..errors import EffectfxError
-from ..graphs import graph_module
+from ..graphs import Graph, graph_module
 from ..runtime.program import Program
 
 
@@ -39,7 +39,7 @@ class EffectCodeGen(fx.graph.CodeGen):
 
 
 def new_graph() -> fx.Graph:
-    graph = fx.Graph()
+    graph = Graph()
     graph.set_codegen(EffectCodeGen())
     return graph
 
