@@ -61,7 +61,7 @@ class RemoveTokens(GraphRewrite):
             call = self._call(ctx, node, attr, identifier, operands)
             return Results(call, n_tokens=1, shift=1)
         call = ctx.graph.call_function(op, tuple(ctx.args(args, node)), ctx.args(dict(node.kwargs), node))
-        call.meta = dict(node.meta)
+        call.meta.update(node.meta)
         return Results(call, n_tokens=1, shift=1, single=returns_single_value(op, node))
 
     def invoke_subgraph(self, ctx: GraphContext, node: fx.Node) -> Any:
@@ -73,7 +73,7 @@ class RemoveTokens(GraphRewrite):
               operands: list) -> fx.Node:
         call = ctx.graph.call_function(ops.invoke_subgraph,
                                        (ctx.env[attr], identifier, *ctx.args(operands, node)))
-        call.meta = dict(node.meta)
+        call.meta.update(node.meta)
         return call
 
 

@@ -94,8 +94,7 @@ class GraphContext:
         return fx.map_arg(a, lambda n: self.value(n, user))
 
     def copy(self, node: fx.Node) -> fx.Node:
-        new = self.graph.node_copy(node, lambda n: self.value(n, node))
-        new.meta = dict(node.meta)
+        new = self.graph.node_copy(node, lambda n: self.value(n, node))  # copies meta too
         return new
 
 
@@ -219,7 +218,7 @@ class GraphRewrite:
         if value.single:
             return value.new
         new = ctx.graph.call_function(operator.getitem, (value.new, index - value.shift))
-        new.meta = dict(node.meta)
+        new.meta.update(node.meta)
         return new
 
 

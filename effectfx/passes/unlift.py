@@ -79,7 +79,7 @@ class UnliftTokens(GraphRewrite):
             ops.with_effects,
             (token_arg, ops.invoke_subgraph, ctx.env[attr], identifier, *ctx.args(operands[n:], node)),
         )
-        call.meta = dict(node.meta)
+        call.meta.update(node.meta)
         made: dict[int, fx.Node] = {}
 
         def token_of(index: int) -> fx.Node:
