@@ -14,12 +14,12 @@ import textwrap
 
 import pytest
 import torch
-from torch import nn
 
 import effectfx as efx
 import effectfx.testing  # noqa: F401  (registers the efxtest:: ops)
 from effectfx import ops
 from effectfx.effects import effect_of
+from effectfx.testing.models import Stack
 
 R = torch.ops.efxtest
 
@@ -448,30 +448,11 @@ def test_aten_print_is_ordered_golden():
 
 
 # -- a module of blocks ---------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int = 3) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    @efx.region
-    def forward(self, x):
-        R.record_memory("block")
-        return torch.relu(self.lin(x))
-
-
-class Stack(nn.Module):
-    def __init__(self, n: int = 2, d: int = 3) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+# Block (relu + record_memory) and Stack come from effectfx.testing.models
 
 
 def test_module_blocks_inference_golden():
-    model = Stack(2)
+    model = Stack(2, width=3)
     with torch.no_grad():
         after = efx.capture(model, torch.randn(2, 3))
         before = efx.capture(model, torch.randn(2, 3), functionalize=False)

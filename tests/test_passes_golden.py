@@ -13,6 +13,7 @@ import torch
 
 import effectfx as efx
 from effectfx.testing import check_against_eager
+from effectfx.testing.models import Stack
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "passes"
 
@@ -27,33 +28,14 @@ def seed(x):
     return seed_region(seed_region(x))
 
 
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    @efx.region
-    def forward(self, x):
-        torch.ops.efxtest.record_memory("block")
-        return torch.relu(self.lin(x))
-
-
-class ThreeBlocks(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        torch.ops.efxtest.record_stdout("done")
-        return x
+def three_blocks() -> Stack:
+    torch.manual_seed(0)
+    return Stack(3, done=True)
 
 
 CASES = {
     "seed": (lambda: seed, lambda: (torch.ones(3),)),
-    "three_blocks": (lambda: ThreeBlocks().requires_grad_(False), lambda: (torch.ones(2, 4),)),
+    "three_blocks": (lambda: three_blocks().requires_grad_(False), lambda: (torch.ones(2, 4),)),
 }
 
 FORMS_UNDER_TEST = {
