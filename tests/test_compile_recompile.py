@@ -318,3 +318,13 @@ def test_closed_over_plain_value_recompiles():
     scale[0] = 5.0
     torch.testing.assert_close(cf(x), x * 5.0)
     assert cf.stats.compiles == 2
+
+
+def test_numbers_of_other_types_are_other_signatures():
+    """1, 1.0 and True compare equal in Python but trace differently (int tensors: x * 1.0 is float)."""
+    cf = efx.compile(lambda x, k: x * k)
+    x = torch.arange(3)
+    for k in (1, 1.0, True):
+        out = cf(x, k)
+        assert out.dtype == (x * k).dtype and torch.equal(out, x * k)
+    assert cf.stats.compiles == 3

@@ -82,7 +82,8 @@ def key_labels(names: list[str]) -> tuple[str, ...]:
     return ("grad mode", "argument structure", "closure", *names)
 
 
-def _value_key(value: Any) -> Any:
+def value_key(value: Any) -> Any:
+    """How a cache key holds one value: tensor metadata, module state, or (type, value)."""
     if isinstance(value, torch.Tensor):
         return TensorMeta.of(value)
     if isinstance(value, torch.nn.Module):
@@ -99,8 +100,8 @@ def cache_key(fn: Any, leaves: list[Any], spec: Any) -> tuple:
     # closed-over values change a trace like arguments do; tensors among them are lifted by identity
     cells = getattr(fn, "__closure__", None) or ()
     closure = tuple(("tensor", id(c.cell_contents)) if isinstance(c.cell_contents, torch.Tensor)
-                    else _value_key(c.cell_contents) for c in cells)
-    return (torch.is_grad_enabled(), spec, closure, *map(_value_key, leaves))
+                    else value_key(c.cell_contents) for c in cells)
+    return (torch.is_grad_enabled(), spec, closure, *map(value_key, leaves))
 
 
 def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}") -> list[str]:

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture.capture import trace_program
 from ..capture.meta import TensorMeta
-from ..capture.region_call import plain_value
+from ..capture.region_call import plain_value, value_key
 from ..functionalize import discover_effects, thread_tokens
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
@@ -43,6 +43,11 @@ BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
     "eager": [discover_effects, simplify_for_runtime],
     "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
 }
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # a plain tuple: cheaper on every call than TensorMeta.of, same fields
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def _shallow(value: Any) -> Any:
@@ -172,22 +177,12 @@ class CompiledCallable:
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
-            return (torch.is_grad_enabled(), ("tensors", len(args)), self._module_key(), *[
-                (a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args],
-                self._python_state()), list(args)
+            return (torch.is_grad_enabled(), ("tensors", len(args)), self._module_key(),
+                    *map(_tensor_key, args), self._python_state()), list(args)
         leaves, spec = tree_flatten((args, kwargs))
-        parts: list[Any] = [torch.is_grad_enabled(), spec, self._module_key()]
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
-            else:
-                try:
-                    hash(leaf)
-                    parts.append(leaf)
-                except TypeError:
-                    parts.append(("object", id(leaf)))
-        parts.append(self._python_state())
-        return tuple(parts), leaves
+        # non-tensor values are keyed as regions key them: by type and value (1, 1.0 and True differ)
+        parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else value_key(leaf) for leaf in leaves]
+        return (torch.is_grad_enabled(), spec, self._module_key(), *parts, self._python_state()), leaves
 
     def entry_for(self, args: tuple, kwargs: dict) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
         key, leaves = self.signature(args, kwargs)
