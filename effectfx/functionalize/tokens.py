@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .. import ops
 from ..capture.source import definition
 from ..effects import effect_of, graph_effect_keys
 from ..errors import RegionEffectsChangedError
-from ..graphs import Graph, graph_module
+from ..passes.rewrite import GraphContext, GraphRewrite, Results, get_attr, returns_single_value
 from ..runtime.printing import subgraphs
 from ..runtime.program import Program, RegionEntry
 
@@ -55,104 +53,86 @@ def _commit(commits: list) -> None:
         region.known_effects[cache_key] = effect_keys
 
 
-@dataclass
-class _Functionalizer:
-    done: dict[int, tuple[fx.GraphModule, tuple[str, ...]]] = field(default_factory=dict)
-    effects: dict[str, frozenset[str]] = field(default_factory=dict)  # identifier -> keys
-    commits: list[tuple[Any, Any, frozenset[str]]] = field(default_factory=list)
+class ThreadTokens(GraphRewrite):
+    """The rules of :func:`thread_tokens` on the shared rebuild (``passes.rewrite``): each body once."""
 
-    def body(self, gm: fx.GraphModule, identifier: str) -> tuple[fx.GraphModule, tuple[str, ...]]:
-        if id(gm) not in self.done:
-            new, keys = self.graph(gm)
-            self.effects[identifier] = frozenset(keys)
-            check_region_effects(gm, frozenset(keys), self.commits)
-            self.done[id(gm)] = (new, keys)
-        return self.done[id(gm)]
+    form_in = ("captured",)
+    form_out = "functionalized"
 
-    def graph(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
-        graph = Graph()
-        holder = torch.nn.Module()
-        env: dict[fx.Node, Any] = {}
-        shift: dict[fx.Node, int] = {}  # node -> how many tokens precede its results
-        start: dict[str, fx.Node] = {}  # key -> token placeholder (tokens "before")
-        current: dict[str, fx.Node] = {}  # key -> latest token (tokens "after")
+    def __init__(self) -> None:
+        super().__init__("captured")
+        self.rules = {ops.invoke_subgraph: self.invoke_subgraph, operator.getitem: self.getitem}
+        self.effects: dict[str, frozenset[str]] = {}  # identifier -> keys
+        self.commits: list[tuple[Any, Any, frozenset[str]]] = []
 
-        def token(key: str) -> fx.Node:
-            if key not in current:
-                ph = graph.placeholder("token_" + re.sub(r"\W", "_", key))
-                ph.meta["val"] = ops.make_token()
-                start[key] = current[key] = ph
-            return current[key]
+    def begin(self, ctx: GraphContext) -> None:
+        ctx.start, ctx.current = {}, {}  # key -> token before the graph / latest token
 
-        def arg(a: Any) -> Any:
-            return fx.map_arg(a, lambda n: env[n])
+    def token(self, ctx: GraphContext, key: str) -> fx.Node:
+        if key not in ctx.current:  # a token appears the first time the graph needs one
+            ph = ctx.graph.placeholder("token_" + re.sub(r"\W", "_", key))
+            ph.meta["val"] = ops.make_token()
+            ctx.start[key] = ctx.current[key] = ph
+        return ctx.current[key]
 
-        def results(call: fx.Node, keys: tuple[str, ...]) -> None:
-            for j, key in enumerate(keys):
-                current[key] = graph.call_function(operator.getitem, (call, j))
+    def _thread(self, ctx: GraphContext, call: fx.Node, keys: tuple[str, ...]) -> None:
+        for j, key in enumerate(keys):
+            ctx.current[key] = ctx.graph.call_function(operator.getitem, (call, j))
 
-        for node in gm.graph.nodes:
-            if node.op == "output":
-                output_node = node
-                continue
-            if node.op == "get_attr":
-                sub = getattr(gm, node.target)
-                setattr(holder, node.target, sub)
-                env[node] = graph.node_copy(node)
-                continue
-            target = node.target
-            if node.op == "call_function" and target is ops.invoke_subgraph:
-                attr, identifier, *operands = node.args
-                new_body, keys = self.body(getattr(gm, attr.target), identifier)
-                setattr(holder, attr.target, new_body)
-                call = graph.call_function(
-                    ops.invoke_subgraph, (env[attr], identifier, *[token(k) for k in keys], *arg(operands))
-                )
-                results(call, keys)
-                shift[node] = len(keys)
-                env[node] = call
-            elif node.op == "call_function" and (key := effect_of(target)) is not None:
-                call = graph.call_function(ops.with_effects, (token(key), target, *arg(node.args)),
-                                           arg(node.kwargs))
-                call.meta.update(node.meta)
-                results(call, (key,))
-                if isinstance(node.meta.get("val"), torch.Tensor):
-                    env[node] = graph.call_function(operator.getitem, (call, 1))
-                else:
-                    shift[node] = 1
-                    env[node] = call
-            elif node.op == "call_function" and target is operator.getitem and node.args[0] in shift:
-                src, index = node.args
-                env[node] = graph.call_function(operator.getitem, (env[src], index + shift[src]))
-            else:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-            env[node].meta.update(node.meta)
+    def invoke_subgraph(self, ctx: GraphContext, node: fx.Node) -> Any:
+        attr, identifier, *operands = node.args
+        keys = get_attr(ctx.holder, attr.target).meta["effectfx_token_keys"]  # the rebuilt body's
+        call = ctx.graph.call_function(ops.invoke_subgraph, (
+            ctx.env[attr], identifier, *[self.token(ctx, k) for k in keys], *ctx.args(operands, node)))
+        call.meta.update(node.meta)
+        self._thread(ctx, call, keys)
+        return Results(call, n_tokens=0, shift=-len(keys))
 
-        # the region's effects: keys whose token after the body differs from the one before it
-        keys = tuple(sorted(k for k in current if current[k] is not start[k]))
-        graph.output((*[current[k] for k in keys], *arg(output_node.args[0])))
-        anchor = next(n for n in graph.nodes if n.op != "placeholder" or n not in start.values())
+    def default(self, ctx: GraphContext, node: fx.Node) -> Any:
+        key = effect_of(node.target) if node.op == "call_function" else None
+        if key is None:
+            return ctx.copy(node)
+        call = ctx.graph.call_function(ops.with_effects, (
+            self.token(ctx, key), node.target, *ctx.args(node.args, node)), ctx.args(dict(node.kwargs), node))
+        call.meta.update(node.meta)
+        self._thread(ctx, call, (key,))
+        if returns_single_value(node.target, node):
+            return ctx.graph.call_function(operator.getitem, (call, 1))
+        return Results(call, n_tokens=0, shift=-1)
+
+    def finish(self, ctx: GraphContext, node: fx.Node) -> None:
+        # the graph's effects: keys whose token after the graph differs from the one before it
+        keys = tuple(sorted(k for k in ctx.current if ctx.current[k] is not ctx.start[k]))
+        ctx.keys_out = keys
+        ctx.graph.output((*[ctx.current[k] for k in keys], *ctx.args(node.args[0], node)))
+        anchor = next(n for n in ctx.graph.nodes if n.op != "placeholder" or n not in ctx.start.values())
         for key in keys:  # token placeholders first, in sorted key order
-            anchor.prepend(start[key])
+            anchor.prepend(ctx.start[key])
         if len(keys) == 1:
-            start[keys[0]]._rename("token")
-            start[keys[0]].target = "token"
-        new = graph_module(holder, graph, gm.__class__.__name__)
-        new.meta.update({k: v for k, v in gm.meta.items() if k != "effectfx_effect_keys"})
-        new.meta["effectfx_token_keys"] = keys
-        return new, keys
+            ctx.start[keys[0]]._rename("token")
+            ctx.start[keys[0]].target = "token"
+
+    def token_keys_out(self, ctx: GraphContext) -> tuple[str, ...]:
+        return ctx.keys_out
+
+    def done(self, gm: fx.GraphModule) -> None:
+        info = gm.meta.get("effectfx_region")
+        if info is not None:
+            keys = frozenset(gm.meta["effectfx_token_keys"])
+            self.effects[info[2]] = keys
+            check_region_effects(gm, keys, self.commits)
 
 
 def thread_tokens(prog: Program) -> Program:
     """Captured form -> functionalized form (see the module docstring for the contract)."""
-    f = _Functionalizer()
-    root, keys = f.graph(prog.graph_module)
-    _commit(f.commits)
+    rewrite = ThreadTokens()
+    new = rewrite.program(prog)
+    _commit(rewrite.commits)
     regions = {
-        ident: RegionEntry(entry.name, entry.traces, f.effects.get(ident, frozenset()))
+        ident: RegionEntry(entry.name, entry.traces, rewrite.effects.get(ident, frozenset()))
         for ident, entry in prog.regions.items()
     }
-    return prog.replace(graph_module=root, token_keys=keys, form="functionalized", regions=regions)
+    return new.replace(token_keys=new.graph_module.meta["effectfx_token_keys"], regions=regions)
 
 
 def discover_effects(prog: Program) -> Program:

@@ -58,7 +58,8 @@ TOKEN: Any = _Token()
 class Results:
     """How the ``getitem`` users of an old tuple-valued node map into the new graph.
 
-    ``getitem(old, i)`` is a token for ``i < n_tokens``; past the tokens it is ``getitem(new, i - shift)``,
+    ``getitem(old, i)`` is a token for ``i < n_tokens``; past the tokens it is ``getitem(new, i - shift)``
+    (a negative ``shift`` when the new node puts tokens in front, as ``thread_tokens`` does),
     or ``new`` itself when ``single`` (an op returning one value that the old node wrapped in a tuple).
     ``token_of`` maps a token index to the new token value (unlifted calls keep their tokens).
     """
