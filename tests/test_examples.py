@@ -35,6 +35,19 @@ def test_print_and_log_example() -> None:
     assert all(line.split("   ")[0].strip() == line.split("   ")[-1].strip() for line in table)
 
 
+def test_gpt2_memory_example() -> None:
+    proc = run_script("examples/gpt2_memory.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "effect log identical to eager: True (8 effects)" in out and "losses match: True" in out
+    # one record per layer in forward, then one per layer in backward, in eager's (reverse) order
+    log = out.split("effect log (prefix, layer, activation bytes, rms):\n", 1)[1].split("\n\n", 1)[0]
+    entries = [line.strip().strip("()").split(", ")[:2] for line in log.splitlines()]
+    assert entries == [["'forward'", f"'layer{i}'"] for i in range(4)] + \
+                      [["'backward'", f"'layer{i}'"] for i in reversed(range(4))]
+    assert "4 calls; forward effects ['memory'], backward effects ['memory']" in out
+
+
 @pytest.fixture(scope="module")
 def transformer():  # noqa: ANN201 - the example module
     module = demo.load_example("transformer_memory")
