@@ -28,143 +28,12 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from . import ops
-from .capture.meta import TensorMeta
+from .capture.identity import body_differences, key_differences, part_differences
 from .capture.region_call import leaf_names
 from .effects import effect_of
 from .runtime.compile import CompiledCallable, CompiledEntry
 from .runtime.printing import subgraphs
 from .runtime.program import BodyInfo, Program, TrainingProgram
-
-# -- describing differences between cache keys -----------------------------------------------------------
-
-
-def _short_spec(spec: Any) -> str:
-    return " ".join(str(spec).split())
-
-
-def _tensor_short(meta: Any) -> str:
-    if isinstance(meta, TensorMeta):
-        return "tensor " + meta.short()
-    return "tensor"
-
-
-def _value_short(part: Any) -> str:
-    """A cache-key part, as a user would write it."""
-    if isinstance(part, TensorMeta):
-        return _tensor_short(part)
-    if isinstance(part, tuple) and len(part) == 2 and part[0] == "object":
-        return "an object (unhashable, compared by identity)"
-    if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
-        return repr(part[1])
-    if isinstance(part, tuple) and len(part) == 5 and isinstance(part[0], torch.Size):
-        shape, _stride, dtype, _device, rg = part
-        return "tensor " + str(dtype).replace("torch.", "") + str(list(shape)) + ("(grad)" if rg else "")
-    return repr(part)
-
-
-def _diff_tensor_meta(label: str, a: TensorMeta, b: TensorMeta) -> list[str]:
-    out = []
-    if a.shape != b.shape:
-        out.append(f"{label}: shape {list(a.shape)} -> {list(b.shape)}")
-    if a.dtype != b.dtype:
-        da, db = (str(t).replace("torch.", "") for t in (a.dtype, b.dtype))
-        out.append(f"{label}: dtype {da} -> {db}")
-    if a.device != b.device:
-        out.append(f"{label}: device {a.device} -> {b.device}")
-    if a.requires_grad != b.requires_grad:
-        out.append(f"{label}: requires_grad {a.requires_grad} -> {b.requires_grad}")
-    if a.stride != b.stride and a.shape == b.shape:
-        out.append(f"{label}: stride {a.stride} -> {b.stride} (a transposed or sliced view?)")
-    return out
-
-
-def _is_module_state(part: Any) -> bool:
-    return (isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], tuple)
-            and isinstance(part[1], tuple) and all(isinstance(p, tuple) and len(p) == 3 for p in part[0])
-            and bool(part[0]) and isinstance(part[0][0][1], type))
-
-
-def _diff_module_state(label: str, a: tuple, b: tuple) -> list[str]:
-    out = []
-    subs_a = {prefix: (cls, dict(attrs)) for prefix, cls, attrs in a[0]}
-    subs_b = {prefix: (cls, dict(attrs)) for prefix, cls, attrs in b[0]}
-
-    def where(prefix: str) -> str:
-        return f"{label}.{prefix}" if prefix else label
-
-    for prefix in sorted(set(subs_a) | set(subs_b)):
-        if prefix not in subs_a or prefix not in subs_b:
-            state = "added" if prefix not in subs_a else "removed"
-            out.append(f"{where(prefix)}: submodule {state}")
-            continue
-        (cls_a, attrs_a), (cls_b, attrs_b) = subs_a[prefix], subs_b[prefix]
-        if cls_a is not cls_b:
-            out.append(f"{where(prefix)}: class {cls_a.__name__} -> {cls_b.__name__}")
-            continue
-        for name in sorted(set(attrs_a) | set(attrs_b)):
-            va, vb = attrs_a.get(name, "<unset>"), attrs_b.get(name, "<unset>")
-            if va != vb:
-                out.append(f"{where(prefix)}.{name}: {va!r} -> {vb!r}")
-    tensors_a, tensors_b = dict(a[1]), dict(b[1])
-    for name in sorted(set(tensors_a) | set(tensors_b)):
-        if name not in tensors_a or name not in tensors_b:
-            state = "added" if name not in tensors_a else "removed"
-            out.append(f"{label}.{name}: parameter/buffer {state}")
-            continue
-        out.extend(_diff_tensor_meta(f"{label}.{name}", tensors_a[name], tensors_b[name]))
-    return out or [f"{label}: module state differs"]
-
-
-def _diff_part(label: str, a: Any, b: Any) -> list[str]:
-    if a == b:
-        return []
-    if label == "grad mode":
-        return [f"grad mode: {'enabled' if a else 'disabled'} -> {'enabled' if b else 'disabled'}"]
-    if label == "argument structure":
-        return [f"argument structure: {_short_spec(a)} -> {_short_spec(b)}"]
-    if isinstance(a, TensorMeta) and isinstance(b, TensorMeta):
-        return _diff_tensor_meta(label, a, b) or [f"{label}: {a.short()} -> {b.short()}"]
-    if _is_module_state(a) and _is_module_state(b):
-        return _diff_module_state(label, a, b)
-    if (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], type)
-            and isinstance(b, tuple) and len(b) == 2 and isinstance(b[0], type)):
-        if a[0] is not b[0]:
-            return [f"argument '{label}': {a[1]!r} ({a[0].__name__}) -> {b[1]!r} ({b[0].__name__})"]
-        return [f"argument '{label}': {a[1]!r} -> {b[1]!r}"]
-    if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("object",):
-        return [f"argument '{label}': a different object (unhashable, so compared by identity)"]
-    # compile-signature tensors: (shape, stride, dtype, device, requires_grad)
-    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5
-            and isinstance(a[0], torch.Size) and isinstance(b[0], torch.Size)):
-        fields = ("shape", "stride", "dtype", "device", "requires_grad")
-        out = []
-        for f, x, y in zip(fields, a, b):
-            if x != y:
-                x = list(x) if f in ("shape", "stride") else str(x).replace("torch.", "")
-                y = list(y) if f in ("shape", "stride") else str(y).replace("torch.", "")
-                out.append(f"{label}: {f} {x} -> {y}")
-        return out
-    if isinstance(a, torch.Size) or isinstance(a, TensorMeta) or isinstance(b, TensorMeta):
-        return [f"'{label}': {_value_short(a)} -> {_value_short(b)}"]
-    return [f"argument '{label}': {_value_short(a)} -> {_value_short(b)}"]
-
-
-def key_differences(old: tuple, new: tuple, old_labels: Sequence[str],
-                    new_labels: Sequence[str]) -> list[str]:
-    """The labelled parts of two cache keys that differ, as readable lines (empty if the keys are equal)."""
-    if len(old) != len(new) or tuple(old_labels) != tuple(new_labels):
-        out = _diff_part("grad mode", old[0], new[0]) if old and new else []
-        names_a = ", ".join(old_labels[2:]) or "-"
-        names_b = ", ".join(new_labels[2:]) or "-"
-        if names_a != names_b:
-            return [*out, f"argument structure: ({names_a}) -> ({names_b})"]
-        return [*out, *_diff_part("argument structure", old[1], new[1])]
-    out = []
-    for label, a, b in zip(new_labels, old, new):
-        out.extend(_diff_part(label, a, b))
-    if not out and old != new:
-        out.append("the cache keys differ in a part that has no label")
-    return out
 
 
 def _closest(candidates: Sequence[Any], diff: Callable[[Any], list[str]]) -> tuple[Any, list[str]] | None:
@@ -387,8 +256,8 @@ def _body_reports(prog: Program | TrainingProgram,
         if not earlier:
             reason, diffs, compared = f"first body of region '{info.region}'", [], None
         else:
-            best = _closest(earlier, lambda e, info=info: key_differences(e.key, info.key, e.key_labels,
-                                                                              info.key_labels))
+            best = _closest(earlier, lambda e, info=info: body_differences(
+                e.key, e.guards, info.key, info.guards, e.key_labels, info.key_labels))
             assert best is not None
             other, diffs = best
             compared = other.identifier
@@ -452,15 +321,7 @@ def _signature_labels(cc: CompiledCallable, entry: CompiledEntry) -> tuple[str, 
         names = _leaf_names(cc.fn, sig.spec, sig.spec.num_leaves)
     except Exception:  # noqa: BLE001
         names = [f"arg{i}" for i in range(sig.spec.num_leaves)]
-    return ("grad mode", "argument structure", "module state", *names, "closure and globals")
-
-
-def _diff_module_key(cc: CompiledCallable, a: tuple, b: tuple) -> list[str]:
-    if a == b:
-        return []
-    labels = cc.module_state_labels()
-    out = [f"module '{name}': {attr} {x!r} -> {y!r}" for (name, attr), x, y in zip(labels, a, b) if x != y]
-    return out or ["module state differs"]
+    return ("ambient", "argument structure", *names, "closure and globals")
 
 
 def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
@@ -473,17 +334,19 @@ def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
         labels = _signature_labels(cc, entry)
         if not done:
             why, diffs = "first call", []
+        elif entry.why and any(okey == key for okey, _, _ in done):
+            diffs = list(entry.why)
+            other_n = next(i for i, (okey, _, _) in enumerate(done, 1) if okey == key)
+            why = "; ".join(diffs) + f" (vs signature {other_n}: a value its capture read changed)"
         else:
             def diff(item: tuple, key: tuple = key, labels: tuple = labels) -> list[str]:
                 okey, _, olabels = item
                 if len(okey) != len(key) or olabels != labels:
                     return key_differences(okey[:2], key[:2], olabels[:2], labels[:2]) or [
-                        f"argument structure: ({', '.join(olabels[3:])}) -> ({', '.join(labels[3:])})"]
-                out = _diff_part("grad mode", okey[0], key[0])
-                out += _diff_part("argument structure", okey[1], key[1])
-                out += _diff_module_key(cc, okey[2], key[2])
-                for label, x, y in zip(labels[3:], okey[3:], key[3:]):
-                    out.extend(_diff_part(label, x, y))
+                        f"argument structure: ({', '.join(olabels[2:-1])}) -> ({', '.join(labels[2:-1])})"]
+                out = []
+                for label, x, y in zip(labels, okey, key):
+                    out.extend(part_differences(label, x, y))
                 return out
 
             best = _closest(done, diff)

@@ -7,6 +7,7 @@ a region is a plain call; inside one, the active tracer takes over the call.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -31,8 +32,11 @@ class Region:
     """One region: the user's function, its display name, and what its traces revealed so far."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
-        self.fn = fn
-        self.name = name or _default_name(fn)
+        # a bound method (``layer.forward = efx.region(layer.forward)``) is its function called with the
+        # module first, so every instance's calls share bodies and lift their own parameters
+        self.bound = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+        self.fn = fn.__func__ if self.bound is not None else fn  # type: ignore[union-attr]
+        self.name = name or _default_name(self.fn)
         # cache key -> effect keys seen when that key's body was functionalized (across captures)
         self.known_effects: dict[Any, frozenset[str]] = {}
 
@@ -40,6 +44,8 @@ class Region:
         return f"<effectfx region {self.name!r}>"
 
     def call(self, args: tuple, kwargs: dict) -> Any:
+        if self.bound is not None:
+            args = (self.bound, *args)
         tracer = active_tracer()
         if tracer is None:
             return self.fn(*args, **kwargs)

@@ -302,12 +302,37 @@ def test_mutual_recursion() -> None:
 
 
 # -- a region whose effect set differs between traces of the same cache key ------------------------
-def test_effect_set_changes_between_captures() -> None:
+# State a region's own code names (closures, globals) is guarded (Note [Region identity]); state read
+# inside a callee is not, so a flip there can only be caught when the body is traced again.
+_MOODY = {"log": False}
+
+
+def _moody_logs() -> bool:
+    return _MOODY["log"]
+
+
+def test_flag_in_region_closure_is_guarded() -> None:
     flag = {"log": False}
 
     @efx.region
     def moody(x):
         if flag["log"]:
+            torch.ops.efxtest.record_stdout("moody")
+        torch.ops.efxtest.record_memory("moody")
+        return x * 2
+
+    x = torch.randn(4)
+    for log_it in (False, True, False):
+        flag["log"] = log_it
+        with recording() as log:
+            efx.capture(moody, x)(x)
+        assert log == [("record_stdout", "moody")] * log_it + [("record_memory", "moody")]
+
+
+def test_effect_set_changes_between_captures() -> None:
+    @efx.region
+    def moody(x):
+        if _moody_logs():
             torch.ops.efxtest.record_stdout("moody")  # only sometimes
         torch.ops.efxtest.record_memory("moody")
         return x * 2
@@ -316,71 +341,75 @@ def test_effect_set_changes_between_captures() -> None:
     efx.capture(moody, x)
     known = dict(moody.__effectfx_region__.known_effects)
     assert list(known.values()) == [frozenset({"memory"})]
-    flag["log"] = True
-    with pytest.raises(efx.RegionEffectsChangedError) as info:
-        efx.capture(moody, x)
+    _MOODY["log"] = True
+    try:
+        with pytest.raises(efx.RegionEffectsChangedError) as info:
+            efx.capture(moody, x)
+    finally:
+        _MOODY["log"] = False
     assert_clear(info.value, names="'moody'", line=None, advice=r"pass that state to the region")
     assert "stdout" in str(info.value)
     assert moody.__effectfx_region__.known_effects == known  # not polluted by the refused trace
-    flag["log"] = False
     with recording() as log:
         efx.capture(moody, x)(x)
     assert log == [("record_memory", "moody")]
 
 
 def test_effect_set_change_names_source_line() -> None:
-    flag = {"log": False}
-
     @efx.region
     def moody(x):
-        if flag["log"]:
+        if _moody_logs():
             torch.ops.efxtest.record_stdout("moody")  # <- moody
         return x * 2
 
     efx.capture(moody, torch.randn(4))
-    flag["log"] = True
-    with pytest.raises(efx.RegionEffectsChangedError) as info:
-        efx.capture(moody, torch.randn(4))
+    _MOODY["log"] = True
+    try:
+        with pytest.raises(efx.RegionEffectsChangedError) as info:
+            efx.capture(moody, torch.randn(4))
+    finally:
+        _MOODY["log"] = False
     assert line_of("moody") in str(info.value)
 
 
 def test_backward_effect_set_changes_between_captures() -> None:
-    flag = {"scale": False}
-
     @efx.region
     def maybe_scaled(x):
-        if flag["scale"]:
+        if _moody_logs():
             x = torch.ops.efxtest.scale(x, 2.0)  # its backward records on "memory"
         return x * 3
 
     x = torch.randn(4, requires_grad=True)
     efx.capture(maybe_scaled, x)
     known = dict(maybe_scaled.__effectfx_region__.known_effects)
-    flag["scale"] = True
-    with pytest.raises(efx.RegionEffectsChangedError) as info:
-        efx.capture(maybe_scaled, x)
+    _MOODY["log"] = True
+    try:
+        with pytest.raises(efx.RegionEffectsChangedError) as info:
+            efx.capture(maybe_scaled, x)
+    finally:
+        _MOODY["log"] = False
     assert_clear(info.value, names="'maybe_scaled'", line=None, advice=r"argument")
     assert "backward" in str(info.value)
     assert maybe_scaled.__effectfx_region__.known_effects == known
 
 
 def test_effect_set_change_under_compile_leaves_cache_empty() -> None:
-    flag = {"log": False}
-
     @efx.region
     def moody(x):
-        if flag["log"]:
+        if _moody_logs():
             torch.ops.efxtest.record_stdout("moody")
         return x * 2
 
     x = torch.randn(4)
     efx.compile(moody)(x)
-    flag["log"] = True
+    _MOODY["log"] = True
     cfn = efx.compile(moody)
-    with recording() as log, pytest.raises(efx.RegionEffectsChangedError):
-        cfn(x)
+    try:
+        with recording() as log, pytest.raises(efx.RegionEffectsChangedError):
+            cfn(x)
+    finally:
+        _MOODY["log"] = False
     assert log == [] and cfn.cache == {} and cfn.stats.compiles == 0
-    flag["log"] = False
     assert torch.equal(cfn(x), x * 2) and cfn.stats.compiles == 1
 
 

@@ -95,8 +95,8 @@ def test_reason_names_module_state() -> None:
         e = efx.explain(net, torch.randn(2, 4))
     bodies = e.regions["Block.forward"].bodies
     assert len(bodies) == 2 and bodies[0].calls == 2 and bodies[1].calls == 1
-    assert set(bodies[1].differences) == {"self.training: True -> False", "self.lin.training: True -> False",
-                                          "self.drop.training: True -> False"}
+    # only what the body read: Dropout reads its training flag, Block and Linear never look at theirs
+    assert set(bodies[1].differences) == {"self.drop.training: True -> False"}
 
 
 def test_effect_keys_per_region() -> None:
@@ -186,9 +186,11 @@ class Wrapper(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.0)
+        self.unused_flag = True  # never read by forward: flipping it must not recompile
 
     def forward(self, x):
-        return self.lin(x)
+        return self.drop(self.lin(x))
 
 
 def test_explain_compiled_module_grad_mode() -> None:
@@ -203,19 +205,29 @@ def test_explain_compiled_module_grad_mode() -> None:
     e = efx.explain(cnet)
     whys = [p.why for p in e.programs]
     assert whys[1] == "grad mode: enabled -> disabled (vs signature 1)"
-    assert whys[2] == "module 'Wrapper': training True -> False; module 'lin': training True -> False " \
-                      "(vs signature 2)"
+    # a guard failed: only Dropout reads its training flag
+    assert whys[2] == "Wrapper.drop.training: True -> False (vs signature 2: a value its capture read changed)"
+    net.unused_flag = False
+    with torch.no_grad():
+        cnet(torch.randn(2, 4))
+    assert cnet.stats.compiles == 3
     assert "no regions" not in str(e) and "(none: mark a repeated function" in str(e)
 
 
 def test_key_differences_direct() -> None:
-    labels = ("grad mode", "argument structure", "x", "flag")
+    labels = ("ambient", "argument structure", "x", "flag")
     spec = object()
-    assert key_differences((True, spec, (bool, True)), (False, spec, (bool, True)), labels[:3],
+    on, off = (True, None, None), (False, None, None)
+    assert key_differences((on, spec, (bool, True)), (off, spec, (bool, True)), labels[:3],
                            labels[:3]) == ["grad mode: enabled -> disabled"]
-    assert key_differences((True, spec, 1, (int, 1)), (True, spec, 1, (float, 1.0)), labels, labels) == [
-        "argument 'flag': 1 (int) -> 1.0 (float)"]
-    assert key_differences((True, spec, 1), (True, spec, 1, 2), labels[:3], labels) == [
+    assert key_differences((on, spec, (True, None, None)), (on, spec, (True, torch.bfloat16, None)),
+                           ("ambient", "argument structure", "x"), ("ambient", "argument structure", "x")) == [
+        "argument 'x': (True, None, None) -> (True, torch.bfloat16, None)"]
+    assert key_differences((on, spec), ((True, torch.bfloat16, None), spec), labels[:2], labels[:2]) == [
+        "autocast cpu: off -> bfloat16"]
+    assert key_differences((on, spec, 1, (int, 1)), (on, spec, 1, (float, 1.0)), labels, labels) == [
+        "argument 'flag': 1 -> 1.0 (float)"]
+    assert key_differences((on, spec, 1), (on, spec, 1, 2), labels[:3], labels) == [
         "argument structure: (x) -> (x, flag)"]
 
 

@@ -1,4 +1,4 @@
-"""efx.capture: trace a function (or module) into a Program (forms in ../shared DESIGN §2)."""
+"""efx.capture: trace a function (or module) into a Program (the forms: Note [Effect tokens])."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
 from .meta import OperandSource
+from .reads import Reads, recording
 from .region_call import leaf_names
 from .trace import Scope, trace_graph
 from .tracer import Tracer
@@ -26,10 +27,11 @@ def _active(tracer: Tracer) -> Iterator[None]:
     previous = _regions.active_tracer()
     _regions._ACTIVE.tracer = tracer
     try:
-        with tracer.fake_mode, tracer:
+        with tracer.label_mode, tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous
+        tracer.watcher.restore()  # every watched object gets its class back
 
 
 def _param_names(fn: Any) -> dict[int, str]:
@@ -55,7 +57,13 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     names = leaf_names(target, args, kwargs)
     scope = Scope(tracer, "root", param_names=_param_names(fn))
-    with _active(tracer):
+    # the root's reads: guards of a compiled program, by identity (Note [Region identity])
+    reads = Reads(tracer.watcher, structural=False)
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    with _active(tracer), recording(reads):
+        for obj in (owner, *leaves):
+            if obj is not None and not isinstance(obj, torch.Tensor):
+                tracer.watcher.watch(obj)
         new_leaves = list(leaves)
         with tracer.graph(scope.builder):
             for i, leaf in enumerate(leaves):
@@ -69,7 +77,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
 
     bodies = tuple(
         BodyInfo(b.identifier, b.region.name, b.key, b.key_labels, b.trace_seconds,
-                 tracer.region_calls.get(b.identifier, 0))
+                 tracer.region_calls.get(b.identifier, 0), b.guards)
         for b in sorted(tracer.bodies.values(), key=lambda b: int(b.identifier.rsplit("_", 1)[1]))
     )
     n_user = sum(1 for s in traced.sources if s.kind == "arg")
@@ -85,7 +93,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         traced.forward, signature, lifted, traced.out_spec, tuple(traced.out_layout),
         regions=_regions_of(traced.forward, tracer), history=record,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
-        bodies=bodies,
+        bodies=bodies, guards=tuple(reads.guards.items()),
     )
     if traced.backward is None:
         return forward

@@ -44,13 +44,15 @@ class OperandSource:
     kind "arg": the tensor leaf ``index`` of the flattened (args, kwargs);
     kind "module": parameter/buffer ``name`` of the nn.Module at leaf ``index``;
     kind "lifted": the real tensor ``tensor`` itself (globals, closed-over constants, parameters read
-    from the root function).
+    from the root function);
+    kind "label": the string found at ``path`` from the call site's arguments (effectfx.capture.reads).
     """
 
     kind: str
     index: int = -1
     name: str = ""
     tensor: Any = field(default=None, compare=False)
+    path: tuple = ()
 
 
 @dataclass

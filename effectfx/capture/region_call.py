@@ -24,12 +24,12 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from .. import ops
 from ..errors import RegionRecursionError
 from ..regions import Region
+from .identity import call_key, code_reads, guards_hold, key_labels, resolve
 from .meta import OperandSource, TensorMeta, TracedGraph
+from .reads import Reads, raw, recording, report_read
 from .source import user_location
 from .trace import Scope, trace_graph
 from .tracer import Tracer
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
 @dataclass
@@ -38,7 +38,8 @@ class RegionBody:
 
     identifier: str
     region: Region
-    key: Any
+    key: Any  # identity.call_key of the call that traced it
+    guards: tuple  # ((path, expectation), ...): what the trace read (effectfx.capture.identity)
     traced: TracedGraph
     attr: str  # attribute name of its forward subgraph in calling graphs
     key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations
@@ -48,12 +49,10 @@ class RegionBody:
     def backward_attr(self) -> str:
         return self.attr + "_backward"
 
-
-def plain_value(value: Any) -> bool:
-    """Hashable plain data (numbers, strings, dtypes...): module attributes that can change a trace."""
-    if isinstance(value, tuple):
-        return all(plain_value(v) for v in value)
-    return isinstance(value, _PLAIN)
+    @property
+    def cache_key(self) -> tuple:
+        """The body's whole identity: its call key and its guards (Note [Region identity])."""
+        return (self.key, self.guards)
 
 
 def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,44 +63,6 @@ def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
         for k, v in vars(sub).items():
             if isinstance(v, torch.Tensor) and not k.startswith("_"):
                 yield (f"{prefix}.{k}" if prefix else k), v
-
-
-def _module_state(module: torch.nn.Module) -> tuple:
-    """Everything about a module that can change a trace, except its identity (Note [Region identity])."""
-    parts: list[Any] = []
-    for prefix, sub in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
-                             if not k.startswith("_") and plain_value(v)))
-        parts.append((prefix, type(sub), attrs))
-    tensors = tuple((name, TensorMeta.of(t)) for name, t in module_tensors(module))
-    return (tuple(parts), tensors)
-
-
-def key_labels(names: list[str]) -> tuple[str, ...]:
-    """Human names for the parts of :func:`cache_key`, in the same order."""
-    return ("grad mode", "argument structure", "closure", *names)
-
-
-def value_key(value: Any) -> Any:
-    """How a cache key holds one value: tensor metadata, module state, or (type, value)."""
-    if isinstance(value, torch.Tensor):
-        return TensorMeta.of(value)
-    if isinstance(value, torch.nn.Module):
-        return _module_state(value)
-    try:
-        hash(value)
-    except TypeError:
-        return ("object", id(value))
-    return (type(value), value)
-
-
-def cache_key(fn: Any, leaves: list[Any], spec: Any) -> tuple:
-    """Note [Region identity]: everything that can change the body's trace, nothing that cannot."""
-    # closed-over values change a trace like arguments do; tensors among them are lifted by identity
-    cells = getattr(fn, "__closure__", None) or ()
-    closure = tuple(("tensor", id(c.cell_contents)) if isinstance(c.cell_contents, torch.Tensor)
-                    else value_key(c.cell_contents) for c in cells)
-    return (torch.is_grad_enabled(), spec, closure, *map(value_key, leaves))
 
 
 def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}") -> list[str]:
@@ -133,7 +94,9 @@ def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr:
                 operands: list[Any], metas: list[TensorMeta | None]) -> list[Any]:
     """Emit ``invoke_subgraph`` in the current graph and return fresh fakes for its results."""
     builder = tracer.builder
-    nodes = [builder.node_of(tracer.to_fake(v)) for v in operands]
+    labels = getattr(builder, "labels", None)
+    nodes = [labels.node_for(v) if labels is not None and isinstance(v, str) else
+             builder.node_of(tracer.to_fake(raw(v))) for v in operands]
     call = builder.call(ops.invoke_subgraph, (builder.get_attr(subgraph, attr), identifier, *nodes))
     results: list[Any] = []
     for i, meta in enumerate(metas):
@@ -172,7 +135,7 @@ class RegionCall(torch.autograd.Function):
 
 
 def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> Any:
-    if any(r is region for r in tracer.region_stack):
+    if any(r.fn is region.fn for r in tracer.region_stack):
         chain_names = " -> ".join(r.name for r in (*tracer.region_stack, region))
         raise RegionRecursionError(
             f"region {region.name!r} calls itself ({chain_names}) at {user_location()}.\n"
@@ -180,8 +143,10 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             "from the recursive function."
         )
     leaves, spec = tree_flatten((args, kwargs))
-    key = cache_key(region.fn, leaves, spec)
-    body = tracer.bodies.get((region, key))
+    key = call_key(leaves, spec)
+    # Note [Region identity]: the first body with this key whose guards hold on these arguments
+    body = next((b for b in tracer.candidates.get((region.fn, key), ())
+                 if guards_hold(b.guards, leaves)), None)
     if body is None:
         body = _trace_body(tracer, region, key, leaves, spec, args, kwargs)
     tracer.region_calls[body.identifier] = tracer.region_calls.get(body.identifier, 0) + 1
@@ -192,6 +157,8 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             operands.append(leaves[src.index])
         elif src.kind == "module":
             operands.append(_module_tensor(leaves[src.index], src.name))
+        elif src.kind == "label":
+            operands.append(resolve(src.path, leaves))  # read through the caller: its reads see it
         else:
             operands.append(src.tensor)
     if traced.backward is not None:
@@ -216,6 +183,9 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
             for name, t in module_tensors(leaf):
                 module_params.setdefault(id(t), (i, name))
     scope = Scope(tracer, region.name, region, module_params)
+    labels = scope.labels
+    assert labels is not None
+    reads = labels.reads = Reads(tracer.watcher, structural=True, on_label=labels.make)
     names = leaf_names(region.fn, args, kwargs)
     new_leaves = list(leaves)
     for i, leaf in enumerate(leaves):
@@ -223,19 +193,28 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
             fake = tracer.new_fake(TensorMeta.of(leaf))
             scope.add_input(names[i], OperandSource("arg", i), fake)
             new_leaves[i] = fake
+        elif isinstance(leaf, str):  # a string argument: an operand while only effects use it
+            new_leaves[i] = labels.make((("leaf", i),), raw(leaf), parent=leaf)
+        else:
+            reads.root(leaf, (("leaf", i),))
     body_args, body_kwargs = tree_unflatten(new_leaves, spec)
     tracer.region_stack.append(region)
     try:
-        traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
-                             f"region {region.name!r}", region.name, region.fn)
+        with recording(reads):
+            for holder, step, value in code_reads(region.fn):
+                report_read(holder, step, value)
+            traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
+                                 f"region {region.name!r}", region.name, region.fn)
     finally:
         tracer.region_stack.pop()
-    traced.forward.meta["effectfx_region"] = (region, key, identifier, "forward")
-    if traced.backward is not None:
-        traced.backward.meta["effectfx_region"] = (region, key, identifier, "backward")
-    attr = re.sub(r"\W", "_", region.name) + "_" + identifier.replace("_", "")
-    body = RegionBody(identifier, region, key, traced, attr, key_labels(names),
+    guards = tuple(reads.guards.items())
+    body = RegionBody(identifier, region, key, guards, traced, "", key_labels(names),
                       time.perf_counter() - start)
-    tracer.bodies[(region, key)] = body
+    traced.forward.meta["effectfx_region"] = (region, body.cache_key, identifier, "forward")
+    if traced.backward is not None:
+        traced.backward.meta["effectfx_region"] = (region, body.cache_key, identifier, "backward")
+    body.attr = re.sub(r"\W", "_", region.name) + "_" + identifier.replace("_", "")
+    tracer.bodies[(region.fn, body.cache_key)] = body
+    tracer.candidates.setdefault((region.fn, key), []).append(body)
     tracer.trace_counts[identifier] = tracer.trace_counts.get(identifier, 0) + 1
     return body

@@ -18,7 +18,9 @@ from ..autograd.partition import partition_joint
 from ..errors import CaptureError, FreeTensorError, UnsupportedReturnError
 from ..passes.dce import eliminate_dead_code
 from .graph_builder import GraphBuilder
+from .labels import BodyLabels
 from .meta import OperandSource, TensorMeta, TracedGraph
+from .reads import raw
 from .source import return_lines, user_location
 from .tracer import Tracer
 
@@ -44,13 +46,34 @@ class Scope:
         self.module_params = module_params or {}
         self.param_names = param_names or {}
         self.sources: list[OperandSource] = []
-        self.values: list[torch.Tensor] = []  # autograd-level value of each input
+        self.values: list[Any] = []  # autograd-level value of each input (a str for a label)
         self.builder = GraphBuilder(name, self.lift)
+        # a body's labels (effectfx.capture.labels); the root bakes every string in
+        self.labels = BodyLabels(self.add_label) if region is not None else None
+        if self.labels is not None:
+            self.labels.phase = lambda: self.builder.phase
+        self.builder.labels = self.labels  # type: ignore[attr-defined]
 
     def add_input(self, name: str, source: OperandSource, fake: torch.Tensor) -> None:
         self.builder.placeholder(placeholder_name(name), fake)
         self.sources.append(source)
         self.values.append(fake)
+
+    def add_label(self, label: Any, path: tuple) -> fx.Node:
+        """A string operand: the call site passes the value found at ``path`` (Note [Region identity])."""
+        step = path[-1]
+        node = self.builder.placeholder(placeholder_name(step if isinstance(step, str) else "label"), label)
+        node.meta["val"] = raw(label)
+        self.sources.append(OperandSource("label", path=path))
+        self.values.append(label)
+        return node
+
+    def finish_labels(self, graph: fx.Graph, layout: list[tuple[str, Any]]) -> None:
+        if self.labels is None:
+            return
+        for label in self.labels.finish(graph, [v for kind, v in layout if kind == "const"]):
+            i = next(i for i, v in enumerate(self.values) if v is label)
+            del self.values[i], self.sources[i]
 
     def lift(self, fake: torch.Tensor) -> fx.Node:
         real = self.tracer.real_of.get(id(fake))
@@ -76,6 +99,14 @@ class Scope:
         self.sources.append(source)
         self.values.append(real)
         return self.builder.values[id(fake)]
+
+
+def _meta(value: Any) -> TensorMeta | None:
+    return TensorMeta.of(value) if isinstance(value, torch.Tensor) else None
+
+
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str, Any]], list[torch.Tensor]]:
@@ -113,12 +144,14 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
                 "captured function, or use tensor ops."
             ) from exc
         spec, layout, tensors = _flatten_outputs(out, where, fn)
+        layout = [(kind, raw(v)) for kind, v in layout]  # a returned label is used; finish_labels sees it
         out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]
         out_meta = [TensorMeta.of(t) for t in tensors]
         tangent_mask = tuple(t.requires_grad for t in tensors)
-        input_meta = [TensorMeta.of(v) for v in scope.values]
         if not (torch.is_grad_enabled() and any(tangent_mask)):
             gm = builder.finish(out_nodes, class_name)
+            scope.finish_labels(gm.graph, layout)
+            input_meta = [_meta(v) for v in scope.values]
             eliminate_dead_code(gm.graph)
             gm.recompile()  # lazy: only marks the code stale
             return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta)
@@ -131,15 +164,18 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             builder.placeholder(f"tangent_{i}", tangent).meta["tangent"] = True
             tangents.append(tangent)
         n_inputs = len(scope.values)
-        wrt = [v for v in scope.values if v.requires_grad]
+        wrt = [v for v in scope.values if isinstance(v, torch.Tensor) and v.requires_grad]
         grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
         grad_nodes = [builder.node_of(tracer.to_fake(g)) if g is not None else None for g in grads]
         joint = builder.finish((*out_nodes, *grad_nodes), class_name)
+        n_labels = len(scope.values)
+        scope.finish_labels(joint.graph, layout)
+        n_inputs -= n_labels - len(scope.values)
     # inputs lifted while tracing backward are forward inputs too; they never receive a gradient
-    grad_mask = tuple(v.requires_grad for v in scope.values[:n_inputs]) + (False,) * (
+    grad_mask = tuple(_requires_grad(v) for v in scope.values[:n_inputs]) + (False,) * (
         len(scope.values) - n_inputs
     )
-    input_meta = [TensorMeta.of(v) for v in scope.values]
+    input_meta = [_meta(v) for v in scope.values]
     part = partition_joint(joint, len(out_nodes))
     return TracedGraph(
         part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,

@@ -27,7 +27,9 @@ from ..errors import (
     UnsupportedMutationError,
 )
 from .graph_builder import GraphBuilder
+from .labels import LabelMode, has_sentinel, resolve_labels
 from .meta import TensorMeta
+from .reads import Watcher
 from .source import user_location
 
 aten = torch.ops.aten
@@ -95,7 +97,10 @@ class Tracer(TorchDispatchMode):
         self.recording = True
         self.base_of: dict[int, torch.Tensor] = {}  # id(view) -> the intermediate it aliases
         self.views_of: dict[int, list[torch.Tensor]] = {}  # id(base) -> views of it made so far
-        self.bodies: dict[Any, Any] = {}  # (region, cache key) -> RegionBody: the region cache
+        self.bodies: dict[Any, Any] = {}  # (region function, key, guards) -> RegionBody: the region cache
+        self.candidates: dict[Any, list[Any]] = {}  # (region function, key) -> bodies, first traced first
+        self.watcher = Watcher()
+        self.label_mode = LabelMode()
         self.trace_counts: dict[str, int] = {}
         self.region_calls: dict[str, int] = {}
         self._identifiers = 0
@@ -172,6 +177,10 @@ class Tracer(TorchDispatchMode):
         key = effect_of(func)
         builder = self.builder
         node_args, node_kwargs = map_structure(builder.node_of, (args, kwargs))
+        if self.label_mode.sentinels and has_sentinel((args, kwargs)):
+            (args, kwargs), (node_args, node_kwargs) = resolve_labels(
+                self.label_mode, getattr(builder, "labels", None), key is not None, (args, kwargs),
+                (node_args, node_kwargs))
         mutated = _mutated_args(func, args, kwargs) if func._schema.is_mutable else []
         target = func
         if mutated:

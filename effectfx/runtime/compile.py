@@ -1,11 +1,13 @@
 """efx.compile: a drop-in callable that captures once per input signature and runs the cached program.
 
-The signature is what can change a trace: the structure of the arguments, every tensor's shape, stride,
-dtype, device and requires_grad, the values of non-tensor arguments, grad mode, and -- for modules -- every
-submodule's plain attributes (``training`` among them).  Parameters and buffers are read from their module
-at each call, so an optimizer's in-place updates and reassigned parameters are seen; one whose metadata
-differs from the traced one (shape, dtype, requires_grad) makes a new program, and a replaced submodule
-drops every cached program.
+The signature is what every call shows: the structure of the arguments, every tensor's shape, stride,
+dtype, device and requires_grad, the values of non-tensor arguments, grad mode and autocast, and the plain
+values the compiled function's closure and globals hold.  Each program then has *guards*: every Python
+value its capture read from an object -- ``self.training``, ``self.config.use_gate``, a region's globals --
+checked again on each call (Note [Region identity]); a program whose guards fail is not run, and a new one
+is captured.  Parameters and buffers are read from their module at each call, so an optimizer's in-place
+updates and reassigned parameters are seen; one whose metadata differs from the traced one (shape, dtype,
+requires_grad) makes a new program, and a replaced submodule drops every cached program.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture.capture import trace_program
+from ..capture.identity import ambient, failed_guards, guard_text, guards_hold, leaf_key
 from ..capture.meta import TensorMeta
-from ..capture.region_call import plain_value, value_key
+from ..capture.reads import plain_value
 from ..functionalize import discover_effects, thread_tokens
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
@@ -73,6 +76,8 @@ class CompiledEntry:
     slots: tuple[Slot | None, ...]  # per lifted tensor: its module slot, or None (read by identity)
     lifted_meta: tuple[TensorMeta, ...]
     compile_seconds: float
+    guards: tuple = ()  # the capture's reads, by identity: checked before each run
+    why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
 
     def current_lifted(self) -> list[torch.Tensor] | None:
         """The lifted tensors as of now, or None if one no longer matches what was traced."""
@@ -119,42 +124,36 @@ class CompiledCallable:
         self._lock = threading.Lock()
         module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         self._module = module if isinstance(module, torch.nn.Module) else None
-        self._attributes: list[tuple[torch.nn.Module, list[str]]] | None = None
+        self._walked = False
         self._slots: dict[int, Slot] = {}
         self._children: list[tuple[dict, str, torch.nn.Module]] = []  # (parent._modules, name, child)
         self._state_readers: list[Callable[[], Any]] | None = None
         self.__wrapped__ = fn
 
-    def _module_key(self) -> tuple:
-        """Every submodule's plain attributes (``training`` among them): state that changes a trace."""
+    def _check_children(self) -> None:
+        """A replaced submodule drops every program: they read the old one's parameters."""
         if self._module is None:
-            return ()
-        if self._attributes is not None and not all(d.get(n) is c for d, n, c in self._children):
-            # a submodule was replaced: programs read the old one's parameters, so start over
+            return
+        if self._walked and not all(d.get(n) is c for d, n, c in self._children):
             with self._lock:
                 self.cache.clear()
-                self._attributes, self._slots = None, {}
-        if self._attributes is None:  # walking the module tree on every call would cost more than eager
+                self._walked, self._slots = False, {}
+        if not self._walked:  # walking the module tree on every call would cost more than eager
             subs = list(self._module.modules())
             self._children = [(sub._modules, n, c) for sub in subs for n, c in sub._modules.items()]
-            self._attributes = [
-                (sub, [k for k, v in vars(sub).items() if not k.startswith("_") and plain_value(v)])
-                for sub in subs
-            ]
             for sub in subs:  # parameters, buffers and plain tensor attributes, where they live
                 for table in (sub._parameters, sub._buffers, vars(sub)):
                     for name, t in table.items():
                         if isinstance(t, torch.Tensor) and not name.startswith("_"):
                             self._slots.setdefault(id(t), (table, name))
-        return tuple([getattr(sub, name, None) for sub, names in self._attributes for name in names])
+            self._walked = True
 
-    def module_state_labels(self) -> list[tuple[str, str]]:
-        """(submodule name, attribute) of each value of the signature's module-state part, in order."""
+    def _object_names(self) -> dict[int, str]:
+        """Names for the objects guards read from: the compiled module's submodules by path."""
         if self._module is None:
-            return []
-        self._module_key()
-        names = {id(m): n or type(self._module).__name__ for n, m in self._module.named_modules()}
-        return [(names[id(sub)], attr) for sub, attrs in self._attributes or () for attr in attrs]
+            return {}
+        root = type(self._module).__name__
+        return {id(m): f"{root}.{n}" if n else root for n, m in self._module.named_modules()}
 
     def _python_state(self) -> tuple:
         """Plain values the compiled function reads from its closure or names as globals (shallowly into
@@ -175,29 +174,40 @@ class CompiledCallable:
         return tuple([read() for read in self._state_readers])
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+        self._check_children()
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
-            return (torch.is_grad_enabled(), ("tensors", len(args)), self._module_key(),
-                    *map(_tensor_key, args), self._python_state()), list(args)
+            return (ambient(), ("tensors", len(args)), *map(_tensor_key, args),
+                    self._python_state()), list(args)
         leaves, spec = tree_flatten((args, kwargs))
         # non-tensor values are keyed as regions key them: by type and value (1, 1.0 and True differ)
-        parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else value_key(leaf) for leaf in leaves]
-        return (torch.is_grad_enabled(), spec, self._module_key(), *parts, self._python_state()), leaves
+        parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf_key(leaf, labels=False)
+                 for leaf in leaves]
+        return (ambient(), spec, *parts, self._python_state()), leaves
+
+    def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
+        for entry in self.cache.get(key, ()):
+            if guards_hold(entry.guards, ()):
+                lifted = entry.current_lifted()
+                if lifted is not None:
+                    return entry, lifted
+        return None
 
     def entry_for(self, args: tuple, kwargs: dict) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
         key, leaves = self.signature(args, kwargs)
-        for entry in self.cache.get(key, ()):
-            lifted = entry.current_lifted()
-            if lifted is not None:
-                return entry, leaves, lifted
-        with self._lock:  # one thread compiles a signature; the others wait for it
-            for entry in self.cache.get(key, ()):
-                lifted = entry.current_lifted()
-                if lifted is not None:
-                    return entry, leaves, lifted
-            entry = self._compile(args, kwargs)
-            self.cache.setdefault(key, []).append(entry)
-            return entry, leaves, list(entry.forward.lifted)
+        found = self._find(key)
+        if found is None:
+            with self._lock:  # one thread compiles a signature; the others wait for it
+                found = self._find(key)
+                if found is None:
+                    names = self._object_names()
+                    why = [guard_text(path, expect, got, names) for e in self.cache.get(key, ())
+                           for path, expect, got in failed_guards(e.guards, ())]
+                    entry = self._compile(args, kwargs)
+                    entry.why = tuple(why)
+                    self.cache.setdefault(key, []).append(entry)
+                    return entry, leaves, list(entry.forward.lifted)
+        return found[0], leaves, found[1]
 
     def _compile(self, args: tuple, kwargs: dict) -> CompiledEntry:
         start = time.perf_counter()
@@ -212,6 +222,7 @@ class CompiledCallable:
             tuple(self._slots.get(id(t)) for t in forward.lifted),
             tuple(TensorMeta.of(t) for t in forward.lifted),
             seconds,
+            forward.guards,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

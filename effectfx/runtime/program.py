@@ -77,6 +77,7 @@ class BodyInfo:
     key_labels: tuple[str, ...]
     trace_seconds: float
     calls: int
+    guards: tuple = ()  # what its trace read: ((path, expectation), ...) (effectfx.capture.identity)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Program:
     n_extra_outputs: int = 0  # trailing outputs not returned to the user (saved for backward)
     name: str = "program"
     bodies: tuple[BodyInfo, ...] = ()  # every body traced by the capture, in order of first trace
+    guards: tuple = ()  # what the capture read from Python objects, by identity: a compiled program's guards
 
     # -- inspection ------------------------------------------------------------------------------
     @property

@@ -1,0 +1,160 @@
+"""Labels as operands (Note [Region identity]): a ``str`` a body reads and only passes to effectful ops --
+``record_memory("forward", self.name)`` -- becomes an input of the body, so one body serves every layer
+and each call site passes its own value.
+
+The body's reads hand it :class:`~effectfx.capture.reads.Label` s.  Effect ops see them first, at the
+``__torch_function__`` level, where Python objects keep their identity: :class:`LabelMode` swaps a label
+for a unique sentinel string, and the tracer maps the sentinel back to the label's placeholder when it
+records the op.  Any other use -- a comparison, a hash, formatting, a non-effect op, a backward formula --
+marks the label *used*, and :meth:`BodyLabels.finish` bakes its value back in as a constant, the body's
+guards then holding that value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+
+from ..effects import effect_of
+from .reads import Label, Path, Reads, raw
+
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_SENTINEL = "\x00efx-label-"
+_COUNTER = itertools.count()
+
+
+class BodyLabels:
+    """The labels one body handed out, and the placeholder of each one passed on as an operand."""
+
+    def __init__(self, add_input: Callable[[Label, Path], fx.Node]) -> None:
+        self.add_input = add_input
+        self.reads: Reads | None = None
+        self.by_path: dict[Path, Label] = {}
+        self.nodes: dict[int, tuple[Label, fx.Node]] = {}
+        self.phase = lambda: "forward"
+        self.done = False
+
+    def make(self, path: Path, value: str, parent: Any = None) -> Label:
+        label = self.by_path.get(path)
+        if label is None:
+            on_use = (lambda _label: Label.mark_used(parent)) if isinstance(parent, Label) else _ignore
+            label = self.by_path[path] = Label(value, self.reads, path, on_use)
+        return label
+
+    def node_for(self, value: Any) -> Any:
+        """What a graph of this body passes for ``value``: a label's placeholder, or the plain value."""
+        if not isinstance(value, Label):
+            return value
+        st = Label.state(value)
+        if st["used"] or st["owner"] is not self.reads or self.done or self.phase() != "forward":
+            Label.mark_used(value)
+            return raw(value)
+        found = self.nodes.get(id(value))
+        if found is None:
+            found = self.nodes[id(value)] = (value, self.add_input(value, st["path"]))
+        return found[1]
+
+    def finish(self, graph: fx.Graph, consts: list[Any]) -> list[Label]:
+        """Before the body's graph is split or run: labels the body also used otherwise (or that appear
+        inside other strings it baked in, or that it returns) become constants again.  Returns them."""
+        self.done = True
+        clean = [lab for lab in self.by_path.values() if not Label.state(lab)["used"]]
+        if clean:
+            baked = [c for c in consts if isinstance(c, str)]
+            for node in graph.nodes:
+                if node.op == "call_function":
+                    fx.node.map_aggregate((node.args, node.kwargs),
+                                          lambda a: baked.append(a) if isinstance(a, str) else None)
+            for lab in clean:
+                value = raw(lab)
+                if any(value in raw(s) for s in baked if s is not lab):
+                    Label.mark_used(lab)
+        dropped = []
+        for label, node in list(self.nodes.values()):
+            if Label.state(label)["used"]:
+                value = raw(label)
+                for user in list(node.users):
+                    swap = (lambda n, node=node, v=value: v if n is node else n)
+                    user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), swap)
+                graph.erase_node(node)
+                dropped.append(label)
+        return dropped
+
+
+def _ignore(_label: Label) -> None:
+    pass
+
+
+def _has_label(values: Any) -> bool:
+    for v in values:
+        if isinstance(v, Label) or isinstance(v, (list, tuple)) and any(isinstance(x, Label) for x in v):
+            return True
+    return False
+
+
+class LabelMode(TorchFunctionMode):
+    """Sees torch calls before their arguments become C++ values: labels passed to an effectful op become
+    sentinels (recorded as the body's operand); labels passed anywhere else count as used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sentinels: dict[str, Label] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _has_label(args) or _has_label(kwargs.values()):
+            effectful = isinstance(func, _OPS) and effect_of(func) is not None
+            args, kwargs = _map(lambda v: self._swap(v, effectful), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _swap(self, value: Any, effectful: bool) -> Any:
+        if not isinstance(value, Label):
+            return value
+        if effectful and not Label.state(value)["used"]:
+            sentinel = f"{_SENTINEL}{next(_COUNTER)}"
+            self.sentinels[sentinel] = value
+            return sentinel
+        Label.mark_used(value)
+        return raw(value)
+
+    def resolve(self, value: Any, labels: BodyLabels | None, effectful: bool) -> tuple[Any, Any]:
+        """(what the op runs on, what its node records) for one argument seen by the tracer."""
+        if not (isinstance(value, str) and value.startswith(_SENTINEL)):
+            return value, value
+        label = self.sentinels.get(value)
+        if label is None:
+            return value, value
+        if labels is None or not effectful:
+            Label.mark_used(label)
+            return raw(label), raw(label)
+        return raw(label), labels.node_for(label)
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def has_sentinel(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(has_sentinel(v) for v in value)
+    if isinstance(value, dict):
+        return any(has_sentinel(v) for v in value.values())
+    return isinstance(value, str) and value.startswith(_SENTINEL)
+
+
+def resolve_labels(mode: LabelMode, labels: BodyLabels | None, effectful: bool, args: Any,
+                   node_args: Any) -> tuple[Any, Any]:
+    """The tracer's half: sentinels back to their values for the op to run on, and to the label's
+    placeholder in the recorded node (when the op is effectful and the label the body's own)."""
+    run = _map(lambda v: mode.resolve(v, labels, effectful)[0], args)
+    nodes = _map(lambda v: mode.resolve(v, labels, effectful)[1], node_args)
+    return run, nodes

@@ -1,0 +1,358 @@
+"""What a trace reads from Python objects: the facts region identity guards on (Note [Region identity]).
+
+During a capture, every object a trace reaches through attributes -- the modules passed to regions, their
+submodules, config objects hanging off them, objects held in closures and globals -- is *watched*: its
+class is swapped, for the capture only and on the capturing thread only, for a subclass whose attribute
+lookups report ``(object, name, value)`` to every active :class:`Reads`.  A read of a ``str`` inside a
+region body hands the body a :class:`Label` instead, a ``str`` that notices when its value is looked at
+(compared, hashed, formatted, sliced...).  A label that is only ever passed to effectful ops becomes an
+operand of the body (``effectfx.capture.labels``); any other use specializes the body on its value.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
+
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+
+# nn.Module's own bookkeeping: read on every call, never part of what a layer computes
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+_LOCAL = threading.local()
+
+
+def active_reads() -> list[Reads]:
+    """The recorders of this thread, outermost first (the root's, then one per region body being traced)."""
+    return getattr(_LOCAL, "stack", None) or []
+
+
+@contextmanager
+def recording(reads: Reads) -> Iterator[Reads]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(reads)
+    try:
+        yield reads
+    finally:
+        stack.pop()
+
+
+class Ref:
+    """A path root that is one particular object: hashed by identity, holding the object alive."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ref) and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__name__}>"
+
+
+def plain_value(value: Any) -> bool:
+    """Hashable plain data (numbers, strings, dtypes, enums...): values a trace can bake in."""
+    if isinstance(value, tuple):
+        return all(plain_value(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def freeze(value: Any, depth: int = 0) -> Any:
+    """A hashable snapshot of plain data in lists, dicts and sets, or MISSING if it holds anything else."""
+    if plain_value(value):
+        return str.__str__(value) if isinstance(value, Label) else value
+    if depth > 4:
+        return MISSING
+    if isinstance(value, (list, tuple)):
+        items = tuple(freeze(v, depth + 1) for v in value)
+    elif isinstance(value, dict):
+        items = tuple((freeze(k, depth + 1), freeze(v, depth + 1)) for k, v in value.items())
+    elif isinstance(value, (set, frozenset)):
+        items = tuple(sorted((freeze(v, depth + 1) for v in value), key=repr))
+    else:
+        return MISSING
+    if MISSING in items or any(isinstance(i, tuple) and MISSING in i for i in items):
+        return MISSING
+    return (type(value).__name__, items)
+
+
+def expectation(value: Any, structural: bool) -> tuple:
+    """What a guard expects of a value read: its value for plain data, its class (``structural``, for
+    region bodies, whose call sites hold other instances) or identity (compiled programs) otherwise."""
+    if value is MISSING:
+        return ("missing",)
+    if isinstance(value, Label):
+        return ("=", str, str.__str__(value))
+    if plain_value(value):
+        return ("=", type(value), value)
+    frozen = freeze(value)
+    if frozen is not MISSING:
+        return ("=", type(value), frozen)
+    if structural and (isinstance(value, torch.nn.Module) or watchable(value)):
+        return ("type", type(value))
+    return ("is", Ref(value))
+
+
+def satisfies(value: Any, expect: tuple) -> bool:
+    kind = expect[0]
+    if kind == "=":
+        if type(value) is not expect[1] and not (expect[1] is str and isinstance(value, str)):
+            return False
+        got = str.__str__(value) if isinstance(value, Label) else value
+        return (got if plain_value(got) else freeze(got)) == expect[2]
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "type":
+        return _class_of(value) is expect[1]
+    if kind == "is":
+        return value is expect[1].obj
+    return value is MISSING  # "missing"
+
+
+def _class_of(value: Any) -> type:
+    cls = type(value)
+    return getattr(cls, "__efx_watched__", cls)
+
+
+# -- watching objects -------------------------------------------------------------------------------------
+
+
+def watchable(obj: Any) -> bool:
+    """Objects whose attribute reads can be recorded: instances of ordinary Python classes."""
+    cls = type(obj)
+    if isinstance(obj, (type, torch.Tensor, enum.Enum)) or callable(obj) and not isinstance(
+            obj, torch.nn.Module):
+        return False
+    return bool(cls.__flags__ & (1 << 9)) and hasattr(obj, "__dict__")  # a heap type with a __dict__
+
+
+_WATCHED_CLASSES: dict[type, type] = {}
+_CLASS_LOCK = threading.Lock()
+
+
+def report_read(obj: Any, name: Any, value: Any) -> Any:
+    """Tell every active recorder that ``name`` (an attribute, or ``("item", key)``) of ``obj`` was read
+    as ``value``; returns what the reader gets (a Label, for a string a body reads)."""
+    stack = getattr(_LOCAL, "stack", None)
+    if not stack or name[:2] == "__" or (name in _MODULE_INTERNALS and isinstance(obj, torch.nn.Module)):
+        return value
+    if isinstance(value, torch.Tensor) or (callable(value) and not isinstance(value, torch.nn.Module)
+                                           and getattr(value, "__self__", None) is obj):
+        return value  # tensors are lifted operands; methods come with the (keyed) class
+    value = stack[-1].read(obj, name, value, innermost=True)  # first: it may hand out a Label
+    for reads in stack[:-1]:
+        reads.read(obj, name, value)
+    return value
+
+
+def _watched_class(cls: type) -> type:
+    with _CLASS_LOCK:
+        sub = _WATCHED_CLASSES.get(cls)
+        if sub is not None:
+            return sub
+        base_getattribute = cls.__getattribute__
+        base_getattr = getattr(cls, "__getattr__", None)
+
+        def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+            if name == "__class__":
+                return cls
+            try:
+                value = base_getattribute(self, name)
+            except AttributeError:
+                if base_getattr is None:
+                    report_read(self, name, MISSING)
+                raise
+            return report_read(self, name, value)
+
+        namespace: dict[str, Any] = {"__getattribute__": __getattribute__, "__efx_watched__": cls,
+                                     "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        if base_getattr is not None:
+            def __getattr__(self: Any, name: str) -> Any:  # noqa: N807
+                try:
+                    value = base_getattr(self, name)
+                except AttributeError:
+                    report_read(self, name, MISSING)
+                    raise
+                return report_read(self, name, value)
+
+            namespace["__getattr__"] = __getattr__
+        if "__slots__" in cls.__dict__:
+            namespace["__slots__"] = ()
+        sub = _WATCHED_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
+        return sub
+
+
+class Watcher:
+    """The objects one capture watches; ``restore()`` gives every one its class back."""
+
+    def __init__(self) -> None:
+        self.watched: dict[int, tuple[Any, type]] = {}
+
+    def watch(self, obj: Any) -> bool:
+        if id(obj) in self.watched:
+            return True
+        if not watchable(obj) or hasattr(type(obj), "__efx_watched__"):
+            return False
+        cls = type(obj)
+        try:
+            obj.__class__ = _watched_class(cls)
+        except TypeError:  # an incompatible layout: read by identity instead
+            return False
+        self.watched[id(obj)] = (obj, cls)
+        return True
+
+    def restore(self) -> None:
+        for obj, cls in self.watched.values():
+            object.__setattr__(obj, "__class__", cls)
+        self.watched.clear()
+
+
+# -- recorders ------------------------------------------------------------------------------------------
+
+Path = tuple  # (root, *steps): root ("leaf", i) or ("id", Ref); a step is an attribute name or ("item", k)
+
+
+class Reads:
+    """The reads of one trace, as guards: ``path -> expectation`` (the first read of a path wins).
+
+    A body's recorder (``structural``) names objects by their path from the body's arguments, so a guard
+    can be checked against another call site's arguments; objects it cannot reach from them are named by
+    identity.  The root's recorder names everything by identity: a compiled program runs on these very
+    objects.
+    """
+
+    def __init__(self, watcher: Watcher, structural: bool,
+                 on_label: Callable[..., Any] | None = None) -> None:
+        self.watcher = watcher
+        self.structural = structural
+        self.paths: dict[int, Path] = {}
+        self.guards: dict[Path, tuple] = {}
+        self.on_label = on_label  # makes a Label for a str the body read (bodies only)
+
+    def root(self, obj: Any, path: Path) -> None:
+        """``obj`` is reachable at ``path`` (an argument of the body); watch what is read from it."""
+        self.paths.setdefault(id(obj), path)
+        self.watcher.watch(obj)
+
+    def path_of(self, obj: Any) -> Path:
+        path = self.paths.get(id(obj))
+        return path if path is not None else (("id", Ref(obj)),)
+
+    def read(self, owner: Any, step: Any, value: Any, innermost: bool = False) -> Any:
+        path = (*self.path_of(owner), step)
+        if isinstance(value, Label):
+            value.watch(self, path)
+        elif isinstance(value, str) and innermost and self.on_label is not None and (
+                self.guards.get(path, ("str",)) == ("str",)):
+            return self.on_label(path, value)
+        elif path not in self.guards:
+            self.guards[path] = expectation(value, self.structural)
+        if not plain_value(value) and value is not MISSING and self.watcher.watch(value):
+            self.paths.setdefault(id(value), path)
+        return value
+
+    def specialize(self, path: Path, value: str) -> None:
+        self.guards[path] = ("=", str, value)
+
+
+# -- labels --------------------------------------------------------------------------------------------
+
+
+def _observed(method: str) -> Callable[..., Any]:
+    base = getattr(str, method)
+
+    def observe(self: Label, *args: Any) -> Any:
+        Label.mark_used(self)
+        args = tuple(str.__str__(a) if isinstance(a, Label) else a for a in args)
+        return base(str.__str__(self), *args)
+
+    observe.__name__ = method
+    return observe
+
+
+class Label(str):
+    """A ``str`` a body read, that reports the first time anything looks at its value.
+
+    ``owner`` made it (the body's recorder, which may pass it to the body as an operand); ``watchers`` are
+    the other recorders that saw the read and must guard on its value once it is used.
+    """
+
+    def __new__(cls, value: str, owner: Any, path: Path, on_use: Callable[[Label], None]) -> Label:
+        self = super().__new__(cls, value)
+        object.__setattr__(self, "_efx", {"owner": owner, "path": path, "used": False,
+                                          "on_use": on_use, "watchers": [(owner, path)]})
+        owner.guards[path] = ("str",)
+        return self
+
+    def state(self) -> dict:
+        return object.__getattribute__(self, "_efx")
+
+    def watch(self, reads: Reads, path: Path) -> None:
+        st = Label.state(self)
+        if st["used"]:
+            reads.specialize(path, str.__str__(self))
+        else:
+            st["watchers"].append((reads, path))
+            reads.guards.setdefault(path, ("str",))
+
+    def mark_used(self) -> None:
+        st = Label.state(self)
+        if st["used"]:
+            return
+        st["used"] = True
+        value = str.__str__(self)
+        for reads, path in st["watchers"]:
+            reads.specialize(path, value)
+        st["on_use"](self)
+
+    def __getattribute__(self, name: str) -> Any:
+        # isinstance() asks for __class__, torch's argument parser probes for __torch_function__
+        if name in ("state", "watch", "mark_used", "__class__") or name.startswith("__torch"):
+            return object.__getattribute__(self, name)
+        Label.mark_used(self)
+        return getattr(str.__str__(self), name)
+
+    def __str__(self) -> str:
+        Label.mark_used(self)
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        Label.mark_used(self)
+        return repr(str.__str__(self))
+
+    def __hash__(self) -> int:
+        Label.mark_used(self)
+        return hash(str.__str__(self))
+
+    def __reduce__(self) -> Any:
+        Label.mark_used(self)
+        return (str, (str.__str__(self),))
+
+    for _m in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__len__", "__getitem__",
+               "__iter__", "__contains__", "__add__", "__mul__", "__rmul__", "__mod__", "__rmod__",
+               "__format__", "__sizeof__", "__getnewargs__"):
+        locals()[_m] = _observed(_m)
+    del _m
+
+    def __radd__(self, other: Any) -> Any:
+        Label.mark_used(self)
+        return other + str.__str__(self)
+
+
+def raw(value: Any) -> Any:
+    """The plain ``str`` behind a Label, without counting as a use; anything else unchanged."""
+    return str.__str__(value) if isinstance(value, Label) else value
