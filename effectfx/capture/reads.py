@@ -103,7 +103,7 @@ def expectation(value: Any, structural: bool) -> tuple:
     if frozen is not MISSING:
         return ("=", type(value), frozen)
     if structural and (isinstance(value, torch.nn.Module) or watchable(value)):
-        return ("type", type(value))
+        return ("type", _class_of(value))
     return ("is", Ref(value))
 
 
