@@ -26,12 +26,16 @@ from .tracer import Tracer
 def _active(tracer: Tracer) -> Iterator[None]:
     previous = _regions.active_tracer()
     _regions._ACTIVE.tracer = tracer
+    # autocast caches its casts of leaf tensors (weights): a cast made by eager code must not leak into
+    # the trace, nor a fake one made by the trace into the user's eager code
+    torch.clear_autocast_cache()
     try:
         with tracer.label_mode, tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous
         tracer.watcher.restore()  # every watched object gets its class back
+        torch.clear_autocast_cache()
 
 
 def _param_names(fn: Any) -> dict[int, str]:

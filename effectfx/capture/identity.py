@@ -175,8 +175,8 @@ def expect_text(expect: tuple) -> str:
         return "a str (an operand)"
     if kind == "type":
         return f"a {expect[1].__name__}"
-    if kind == "is":
-        return f"that {type(expect[1].obj).__name__} object"
+    if kind in ("is", "state"):
+        return f"that {type(expect[1].obj).__name__} object" + (" in that state" if kind == "state" else "")
     return "<missing>"
 
 

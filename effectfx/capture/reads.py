@@ -104,6 +104,10 @@ def expectation(value: Any, structural: bool) -> tuple:
         return ("=", type(value), frozen)
     if structural and (isinstance(value, torch.nn.Module) or watchable(value)):
         return ("type", _class_of(value))
+    if not watchable(value) and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__"):
+        state = freeze(vars(value))  # its reads cannot be seen: guard on all its plain state
+        if state is not MISSING:
+            return ("state", Ref(value), state)
     return ("is", Ref(value))
 
 
@@ -120,6 +124,8 @@ def satisfies(value: Any, expect: tuple) -> bool:
         return _class_of(value) is expect[1]
     if kind == "is":
         return value is expect[1].obj
+    if kind == "state":
+        return value is expect[1].obj and freeze(vars(value)) == expect[2]
     return value is MISSING  # "missing"
 
 
