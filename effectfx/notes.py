@@ -25,25 +25,52 @@ captured form already is token-free, which is why efx.compile goes there directl
 
 Note [Region identity]
 ~~~~~~~~~~~~~~~~~~~~~~
-A region (``@effectfx.region``) is traced once per *cache key* and then called through
-``invoke_subgraph(subgraph, identifier, *operands)``.  The cache key is everything that can change the
-trace: the metadata (shape, stride, dtype, device, requires_grad) of every tensor argument, the value of
-every non-tensor argument, grad mode, the values the function closes over, and for module methods the
-module's class, the metadata of its parameters and buffers (by name) and its plain attributes
-(``training`` and friends).  Identifiers ``subgraph_0, subgraph_1, ...`` are given in order of first trace
-within one capture; a body that returns an operand unchanged hands the caller that very tensor back.
+A region (``@effectfx.region``) is traced once per *identity* and then called through
+``invoke_subgraph(subgraph, identifier, *operands)``.  The code is ``effectfx.capture.identity``.
+Identity has two halves:
 
-Operands are the tensor arguments followed by *lifted* tensors: the module's parameters, buffers and
-plain tensor attributes by name (so N blocks with different weights share one subgraph) and any other
-real tensor the body reads (by identity: globals and closed-over constants).  A body may not read an
-intermediate tensor of its caller that is not an argument -- a different call would silently see a stale
-value -- so that is an error.
+  * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
+    enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,
+    stride, dtype, device, requires_grad), the value of every non-string argument, and for modules passed
+    in their structure (submodule classes, parameter/buffer metadata by name) -- not their attributes;
+  * the *guards* -- what the body's trace read, and only that.  During a capture every object reached
+    from a body's arguments (modules, submodules, config objects at any depth) is *watched*
+    (``effectfx.capture.reads``: its class is swapped for a recording subclass, on the capturing thread,
+    until the capture ends), and each attribute read becomes ``path -> expectation``: a value for plain
+    data (``self.config.use_gate == True``), a class for objects, absence for a failed ``getattr``.
+    Closure cells and the globals a body's code names are guarded the same way.  An attribute no trace
+    reads (``layer_idx`` of a layer that never looks at it) never splits bodies.
+
+A call site reuses the first body with its key whose guards hold on its own arguments; checking a guard
+is itself a read, so an enclosing body (or the root) depends on it too.  The root's reads are guards of
+the compiled program, by identity: ``efx.compile`` checks them before every run and captures anew when one
+fails (flip ``model.config.use_gate`` between two calls: eager's result and effects on both).
+
+*Labels.*  A ``str`` a body reads (an attribute, or a string argument) is handed to it as a ``Label``, a
+``str`` that notices any use of its value.  A label only ever passed to effectful ops becomes an operand:
+the body gets a placeholder, each call site passes its own string, one body serves every layer of
+``record_memory("forward", self.name)``.  Any other use -- comparison, hashing, formatting, slicing, a
+method, a non-effect op, a backward formula, being returned, or turning up inside another string the body
+bakes in (``"/".join(...)`` reads it in C) -- *specializes*: the value is baked back in and guarded.
+Numbers are never labels: CPython reads an int in C (``range(n)``, ``xs[i]``) without calling any of its
+methods, so a use could not be seen.
+
+Operands are the tensor arguments, then *lifted* tensors and labels in order of first use: the module's
+parameters, buffers and plain tensor attributes by name (so N blocks with different weights share one
+subgraph), any other real tensor the body reads (by identity: globals and closed-over constants), and
+label strings by their path.  A body may not read an intermediate tensor of its caller that is not an
+argument -- a different call would silently see a stale value -- so that is an error.  A bound method
+made a region (``layer.forward = efx.region(layer.forward)``) is its function with the module as first
+argument, so all instances share bodies.  Identifiers ``subgraph_0, subgraph_1, ...`` are given in order
+of first trace within one capture; a body that returns an operand unchanged hands the caller that very
+tensor back.
 
 The effects of a body are discovered when it is functionalized: the tokens of every key before and after
 the body are compared, and each key whose token changed is an effect of the region.  The set is stored in
 the region cache under the identifier; the subgraph is then wrapped to take and return those tokens and
 every call site threads its current tokens through it.  Nested regions propagate their keys outwards.
-A region whose effect set differs on a later trace of the same cache key is an error, not a guess.
+A region whose effect set differs on a later trace of the same identity (state read where no guard sees
+it, such as a global of a function the body calls) is an error, not a guess.
 
 Note [Joint trace]
 ~~~~~~~~~~~~~~~~~~
