@@ -2,7 +2,8 @@
 
 See Note [Effect tokens] in ``effectfx.notes``.  Every pass (functionalization, DCE, the verifier, token
 removal) asks :func:`effect_of`; nothing else decides.  Ops that PyTorch itself marks ORDERED (for example
-``aten::_print``) are effectful with key ``"ordered"`` unless registered here with another key.
+``aten::_print``) are effectful with key ``"ordered"`` unless registered here with another key, and so is a
+custom op that returns nothing and mutates nothing: it exists only for its side effect.
 """
 
 from __future__ import annotations
@@ -88,36 +89,99 @@ def register_effect(op: OpLike, key: str = DEFAULT_KEY) -> EffectHandle:
     return handle
 
 
-def _torch_marks_ordered(qualname: str) -> bool:
-    from torch._higher_order_ops.effects import _get_effect
+# Namespaces of torch's own ops: an op there that returns nothing is not thereby an effect (profiler exits,
+# say, are explicitly pure to torch); only torch's registry decides for them.
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "profiler", "debugprims", "rngprims"})
+
+
+@dataclass
+class _OpFacts:
+    """What effect_of learned about one operator overload, computed once (Note [Effect tokens])."""
+
+    holder: Any  # torch's EffectHolder for the overload (read live: registrations there change it)
+    implicit: bool  # returns nothing and mutates nothing: it exists only for its side effect
+
+
+# operator overload -> its facts.  Keyed by the OpOverload object, not by name, so an op defined again
+# (a Library destroyed and re-created with another schema) is looked at afresh.
+_FACTS: dict[Any, _OpFacts] = {}
+# qualified names effect_of treated as effects because of their schema (for efx.explain), in first-seen order
+_IMPLICIT: dict[str, None] = {}
+
+
+def _torch_holder(op: torch._ops.OpOverload) -> Any:
+    import torch._higher_order_ops.effects  # noqa: F401  (registers torch's ORDERED ops, aten::_print)
 
     try:
-        return _get_effect(qualname) is not None
+        return torch._library.simple_registry.singleton.find(op._name).effect
     except Exception:  # ops torch's registry cannot resolve are not effectful to torch
+        return None
+
+
+def _only_side_effect(op: torch._ops.OpOverload) -> bool:
+    schema = op._schema
+    if op.namespace in _TORCH_NAMESPACES or schema.returns:
         return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-_TORCH_CACHE: dict[str, bool] = {}
+def _facts(op: torch._ops.OpOverload) -> _OpFacts:
+    facts = _FACTS.get(op)
+    if facts is None:
+        facts = _FACTS[op] = _OpFacts(_torch_holder(op), _only_side_effect(op))
+    return facts
+
+
+def _overload_of(op: Any, qualname: str) -> torch._ops.OpOverload | None:
+    """The overload a packet, CustomOpDef or name stands for (its default, as torch's registry does)."""
+    if isinstance(op, str) and "." in op.split("::", 1)[-1]:
+        qualname, overload = op.rsplit(".", 1)
+    else:
+        overload = "default"
+    ns, name = qualname.split("::", 1)
+    try:
+        found = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+    return found if isinstance(found, torch._ops.OpOverload) else None
 
 
 def effect_of(op: Any) -> str | None:
-    """The effect key of ``op``, or ``None`` if it is pure.  Non-op callables are pure."""
+    """The effect key of ``op``, or ``None`` if it is pure.  Non-op callables are pure.
+
+    In order: an explicit :func:`register_effect`; PyTorch's own effect registry (``aten::_print``, ops
+    taking script objects), read live so later registrations there count; and a custom op that returns
+    nothing and mutates nothing -- it exists only for its side effect -- is an effect on ``"ordered"``.
+    """
     if isinstance(op, torch._ops.OpOverload):
         qualname = op._schema.name
+        overload: torch._ops.OpOverload | None = op
     elif isinstance(op, (torch._ops.OpOverloadPacket, CustomOpDef, str)):
         try:
             qualname = _qualname(op)
         except RegistryError:
             return None
+        overload = _overload_of(op, qualname)
     else:
         return None
     key = _REGISTRY.get(qualname)
     if key is not None:
         return key
-    known = _TORCH_CACHE.get(qualname)
-    if known is None:
-        known = _TORCH_CACHE[qualname] = _torch_marks_ordered(qualname)
-    return DEFAULT_KEY if known else None
+    if overload is None:
+        return None
+    facts = _facts(overload)
+    if facts.holder is not None and facts.holder.effect is not None:
+        return DEFAULT_KEY
+    if facts.implicit:
+        _IMPLICIT.setdefault(qualname)
+        return DEFAULT_KEY
+    return None
+
+
+def implicit_effects() -> tuple[str, ...]:
+    """Ops (qualified names) that :func:`effect_of` has treated as effects on ``"ordered"`` only because
+    they return nothing and mutate nothing, in the order first seen; ``register_effect`` overrides."""
+    return tuple(q for q in _IMPLICIT if q not in _REGISTRY)
 
 
 def registered_effects() -> dict[str, str]:

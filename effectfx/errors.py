@@ -31,6 +31,10 @@ class UnsupportedReturnError(CaptureError):
     """A captured function or region returned an object effectfx cannot represent in a graph."""
 
 
+class UnsupportedOperatorError(CaptureError):
+    """An operator effectfx cannot capture yet (higher-order ops: ``torch.cond``, ``while_loop``, ...)."""
+
+
 class RegionRecursionError(CaptureError):
     """A region called itself while being traced."""
 
@@ -53,3 +57,11 @@ class VerificationError(EffectfxError):
 
 class BackendError(EffectfxError):
     """A program cannot be handed to the requested backend."""
+
+
+class EffectfxWarning(UserWarning):
+    """Base class of every warning effectfx issues: something was captured, but not as eager runs it."""
+
+
+class UnfaithfulPrintWarning(EffectfxWarning):
+    """A Python ``print`` in captured code that cannot print at run time exactly what eager would print."""

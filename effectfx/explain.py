@@ -385,6 +385,15 @@ def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None)
             if r.calls == 1 and len(r.bodies) == 1:
                 notes.append(f"{p.title}: region '{r.name}' is called once; a region saves tracing only "
                              "when its body is reused.")
+    if any(g.effects for p in programs for g in p.graphs):
+        # custom ops kept as effects only by their schema (effects.effect_of); the registry answers per op,
+        # not per program, so these are the ones seen in this process
+        from .effects import implicit_effects
+
+        for qualname in implicit_effects():
+            notes.append(f"op '{qualname}' is treated as an ordered effect (key 'ordered') because it "
+                         "returns nothing and mutates nothing, so it exists only for its side effect; "
+                         f"register it with efx.register_effect('{qualname}', key=...) to choose its key.")
     slow = [s for p in programs for s in p.stages if s.name == "capture" and s.seconds > 1.0]
     if slow:
         notes.append(f"capture took {slow[0].seconds:.1f} s. The first capture in a process also pays "

@@ -28,7 +28,15 @@ reg_string = _define("reg_string")
 reg_string_overload = _define("reg_string_overload")
 reg_toggle = _define("reg_toggle")
 reg_rekey = _define("reg_rekey")
-reg_never = _define("reg_never")
+
+
+# a pure op (it returns a tensor): effect_of says None until it is registered
+@torch.library.custom_op("efxtcap::reg_never", mutates_args=())
+def reg_never(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+reg_never.register_fake(lambda x: torch.empty_like(x))
 
 
 @pytest.fixture
@@ -41,7 +49,7 @@ def handles():
 
 def test_register_opoverload(handles):
     op = torch.ops.efxtcap.reg_overload.default
-    assert efx.effect_of(op) is None
+    assert efx.effect_of(op) == "ordered"  # returns nothing, mutates nothing: an effect until registered
     handles.append(efx.register_effect(op, key="memory"))
     assert efx.effect_of(op) == "memory"
     assert efx.effect_of(torch.ops.efxtcap.reg_overload) == "memory"
@@ -71,9 +79,9 @@ def test_handle_remove_undoes_and_is_idempotent():
     h = efx.register_effect(op, key="memory")
     assert efx.effect_of(op) == "memory"
     h.remove()
-    assert efx.effect_of(op) is None
+    assert efx.effect_of(op) == "ordered"  # back to the rule for ops that return nothing
     h.remove()
-    assert efx.effect_of(op) is None
+    assert efx.effect_of(op) == "ordered"
 
 
 def test_handle_remove_restores_previous_key():
@@ -84,7 +92,7 @@ def test_handle_remove_restores_previous_key():
     second.remove()
     assert efx.effect_of(op) == "memory"
     first.remove()
-    assert efx.effect_of(op) is None
+    assert efx.effect_of(op) == "ordered"
 
 
 def test_torch_ordered_ops_are_effectful_on_ordered():
@@ -134,10 +142,10 @@ def _with_effects_targets(prog):
 def test_capture_follows_the_registry():
     x = torch.randn(2)
     LOG.clear()
-    # not registered: a pure op with no outputs is not kept, nor threaded
+    # not registered: an op that returns nothing exists for its side effect, kept on "ordered"
     prog = efx.capture(_fn, x)
-    assert _with_effects_targets(prog) == []
-    assert prog.token_keys == ()
+    assert _with_effects_targets(prog) == [torch.ops.efxtcap.reg_toggle.default]
+    assert prog.token_keys == ("ordered",)
 
     h = efx.register_effect(torch.ops.efxtcap.reg_toggle.default, key="memory")
     try:
@@ -150,7 +158,7 @@ def test_capture_follows_the_registry():
     finally:
         h.remove()
     prog = efx.capture(_fn, x)
-    assert _with_effects_targets(prog) == []
+    assert prog.token_keys == ("ordered",)
 
 
 def test_rekeyed_op_uses_the_new_token():

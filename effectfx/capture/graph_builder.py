@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +11,25 @@ import torch
 import torch.fx as fx
 
 from ..graphs import Graph, graph_module
+
+# argument values FX writes into generated code as literals; anything else (a torchbind object, a
+# ProcessGroup, a Generator) would be written as its repr -- ``<torch.ScriptObject object at 0x..>``, a
+# SyntaxError at the first call -- so it becomes a constant of the program, read through get_attr
+_LITERAL_TYPES = frozenset({fx.Node, int, float, bool, str, complex, type(None), torch.dtype, torch.device,
+                            torch.layout, torch.memory_format, slice, type(Ellipsis), torch.Size})
+_LITERAL_BASES = (fx.Node, int, float, str, torch.dtype, enum.Enum, type, types.FunctionType,
+                  types.BuiltinFunctionType, torch._ops.OperatorBase)
+
+
+def _opaque(value: Any) -> bool:
+    kind = type(value)
+    if kind in _LITERAL_TYPES:
+        return False
+    if kind is list or kind is tuple:
+        return any(_opaque(v) for v in value)
+    if kind is dict:
+        return any(_opaque(v) for v in value.values())
+    return not isinstance(value, _LITERAL_BASES)
 
 
 def _node_name(target: Any) -> str | None:
@@ -34,6 +55,7 @@ class GraphBuilder:
         self.phase = "forward"
         self.lift = lift
         self.attrs: dict[int, fx.Node] = {}
+        self.constants: dict[int, fx.Node] = {}  # id(opaque object) -> its get_attr node
         self.holder = torch.nn.Module()
         self._placeholders_end: fx.Node | None = None
         self._input_names: set[str] = set()
@@ -71,9 +93,41 @@ class GraphBuilder:
             self.bind(value, node)
         return node
 
+    def describe_input(self, node: fx.Node) -> str:
+        """The user's name for the graph input ``node``: "the argument 'x'", "the buffer 'bn.running_mean'"
+        (for error messages; the inputs' sources are kept by the Scope whose ``lift`` this builder calls)."""
+        scope = getattr(self.lift, "__self__", None)
+        inputs = [n for n in self.graph.nodes if n.op == "placeholder"]
+        sources, values = getattr(scope, "sources", ()), getattr(scope, "values", ())
+        i = inputs.index(node) if node in inputs else len(sources)
+        if i >= min(len(sources), len(values)):
+            return f"the input {node.target!r}"
+        source, value = sources[i], values[i]
+        if source.kind == "arg":
+            return f"the argument {node.target!r}"
+        name = source.name if source.kind == "module" else getattr(scope, "param_names", {}).get(id(value))
+        if name is None:
+            return f"the tensor {node.target!r} read from outside (a global or closed-over constant)"
+        return f"the {'parameter' if isinstance(value, torch.nn.Parameter) else 'buffer'} {name!r}"
+
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        if any(_opaque(a) for a in args) or (kwargs and any(_opaque(v) for v in kwargs.values())):
+            args, kwargs = fx.node.map_aggregate((args, kwargs), self._constant_or_literal)
         node = self.graph.create_node("call_function", target, args, kwargs or {}, name=_node_name(target))
         node.meta["phase"] = self.phase
+        return node
+
+    def _constant_or_literal(self, value: Any) -> Any:
+        if not _opaque(value):
+            return value
+        node = self.constants.get(id(value))
+        if node is None:
+            # torch.export's name for torchbind objects; kept alive by the holder, shared by every use
+            stem = "_torchbind_obj" if isinstance(value, torch.ScriptObject) else "_constant"
+            name = f"{stem}{len(self.constants)}"
+            setattr(self.holder, name, value)
+            node = self.constants[id(value)] = self.graph.get_attr(name)
+            node.meta["phase"] = self.phase
         return node
 
     def get_attr(self, module: torch.nn.Module, base_name: str) -> fx.Node:

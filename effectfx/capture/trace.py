@@ -15,14 +15,15 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ..autograd.partition import partition_joint
-from ..errors import CaptureError, FreeTensorError, UnsupportedReturnError
+from ..errors import CaptureError, EffectfxError, FreeTensorError, UnsupportedReturnError
 from ..passes.dce import eliminate_dead_code
 from .graph_builder import GraphBuilder
 from .labels import BodyLabels
 from .meta import OperandSource, TensorMeta, TracedGraph
 from .reads import raw
-from .source import return_lines, user_location
+from .source import in_library, return_lines, trim_traceback, user_location
 from .tracer import Tracer
+from .unsupported import dynamo_mark, unsupported_operator
 
 _CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
 
@@ -120,10 +121,15 @@ def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str
         elif isinstance(leaf, _CONSTANT_TYPES):
             layout.append(("const", leaf))
         else:
+            # a library's function (a transformers model's forward) returns through its decorators: point
+            # at the user's call instead
+            at = f"called at {user_location()}" if fn is None or in_library(fn) else f"at {return_lines(fn)}"
+            cache = type(leaf).__name__.endswith("Cache")
+            hint = " (a transformers model: pass use_cache=False)" if cache else ""
             raise UnsupportedReturnError(
-                f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}) at {return_lines(fn)}; effectfx "
-                "graphs can return tensors, numbers, strings and None inside tuples, lists and dicts. "
-                "Return tensors (or a pytree of them) and build other objects outside."
+                f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}) {at}; effectfx graphs can return "
+                "tensors, numbers, strings and None inside tuples, lists and dicts. Return tensors (or a "
+                f"pytree of them) and build other objects outside{hint}."
             )
     return spec, layout, tensors
 
@@ -133,9 +139,16 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
     """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph."""
     tracer, builder = scope.tracer, scope.builder
     with tracer.graph(builder):
+        mark = dynamo_mark()
         try:
             out = run()
+        except EffectfxError as exc:
+            # the message names the user's line: drop the dispatcher's frames (the cause stays)
+            raise trim_traceback(exc) from exc.__cause__
         except RuntimeError as exc:
+            refused = unsupported_operator(exc, where, mark)
+            if refused is not None:
+                raise refused from None
             if "tensor subclass" not in str(exc) and "FakeTensor" not in str(exc):
                 raise
             raise CaptureError(

@@ -240,7 +240,9 @@ class Tracer(TorchDispatchMode):
             if key is not None:
                 problem = "an effectful op that mutates its arguments"
             elif any(n is None or n.op == "placeholder" for n in (node, root_node)):
-                problem = f"an in-place op ({func}) on an input of the graph (argument {name!r})"
+                ph = next((n for n in (node, root_node) if n is not None and n.op == "placeholder"), None)
+                what = self.builder.describe_input(ph) if ph is not None else "a tensor"
+                problem = f"an in-place op ({func}) on {what}, an input of the graph (its argument {name!r})"
             elif (aliased and functional is None) or (tensor._is_view() and root is tensor):
                 # no functional twin to write back with, or a view whose base we never saw
                 problem = f"an in-place op ({func}) on a tensor that has views"
@@ -263,13 +265,21 @@ class Tracer(TorchDispatchMode):
         except EffectfxError:
             raise
         except Exception as exc:  # turn torch's internal failures into errors that name the op
+            if self.fake_mode.cache_enabled and any(
+                    isinstance(a, torch.ScriptObject) for a in tree_flatten((args, kwargs))[0]):
+                # torch's fake-op cache compares arguments, and script objects (a ProcessGroup) have no
+                # __eq__: the lookup failed before the op ran, so run it again without the cache
+                from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+
+                with disable_fake_tensor_cache(self.fake_mode):
+                    return self._run_fake(func, args, kwargs, key)
             text = str(exc)
             if "fake impl" in text or "meta" in text.lower() and "kernel" in text.lower():
                 raise MissingFakeImplError(
                     f"{func} has no fake implementation, so effectfx cannot trace it without running it "
                     f"(called from {self.where()} at {user_location()}).\nRegister one with "
                     f"@<op>.register_fake (torch.library.register_fake('{func._schema.name}'))."
-                ) from exc
+                ) from None  # torch's own message says no more, under dozens of dispatcher frames
             if "data-dependent" in text or "DynamicOutputShape" in type(exc).__name__:
                 raise DataDependentControlFlowError(
                     f"{func} in {self.where()} has an output whose shape depends on tensor values "

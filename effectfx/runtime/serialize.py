@@ -125,7 +125,7 @@ class _Saver:
                 entry["attrs"][node.target] = (
                     {"graph": self.graph(value)} if isinstance(value, fx.GraphModule)
                     else {"tensor": self.tensor(value, "attr.")} if isinstance(value, torch.Tensor)
-                    else _unsupported(f"attribute {node.target} of type {type(value).__name__}")
+                    else _unsupported_constant(node, value)
                 )
             entry["nodes"].append(self.node(node))
         return gid
@@ -145,6 +145,23 @@ class _Saver:
 
 def _unsupported(what: str) -> Any:
     raise SerializationError(f"cannot save {what}: the program format has no encoding for it.")
+
+
+def _unsupported_constant(node: fx.Node, value: Any) -> Any:
+    """Refuse a program constant that is not a tensor (a ProcessGroup, a torchbind object), naming it, the
+    ops that use it and the user's line."""
+    what = type(value).__name__
+    if isinstance(value, torch.ScriptObject):
+        what = f"torchbind object {value._type().qualified_name()}"
+    users = [u.args[1] if u.target is ops.with_effects else u.target for u in node.users]
+    names = sorted({str(t) for t in users}) or ["nothing"]
+    where = next((u.meta["location"] for u in node.users if u.meta.get("location")), None)
+    raise SerializationError(
+        f"cannot save the program constant {node.target!r}: a {what}, passed to {', '.join(names)}"
+        + (f" at {where}" if where else "") + ". It exists only in this process (a process group, a "
+        "torchbind object) and the program format stores graphs and tensors. Keep this program in memory "
+        "(efx.compile or the Program itself) instead of saving it."
+    )
 
 
 def _target_name(target: Any, node: fx.Node) -> str:
