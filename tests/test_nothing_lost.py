@@ -1,0 +1,479 @@
+"""Nothing lost (issue 10): paths that dropped, duplicated or invented an effect, or failed unreadably.
+
+Each case ends eager-equal (outputs, gradients, effect log -- for prints: stdout, compared via capsys) or in
+an ``EffectfxError`` subclass whose message names the op or region and the line of this file it came from
+(a line ending in ``# <- name``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import io
+import os
+import socket
+import sys
+import textwrap
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+import effectfx as efx
+from effectfx.capture.capture import _active
+from effectfx.runtime.serialize import SerializationError
+from effectfx.testing import LOG, check_against_eager
+from effectfx.testing.differential import FORMS
+
+_SOURCE = Path(__file__).read_text().splitlines()
+
+
+def line_of(marker: str) -> str:
+    """``test_nothing_lost.py:<line>`` of the line ending in ``# <- marker``."""
+    (lineno,) = [i + 1 for i, line in enumerate(_SOURCE) if line.rstrip().endswith(f"# <- {marker}")]
+    return f"{Path(__file__).name}:{lineno}"
+
+
+# -- 1. a custom op that returns nothing and mutates nothing, never registered ------------------------
+@torch.library.custom_op("efxlost::ping", mutates_args=())
+def ping(label: str) -> None:
+    LOG.append(("ping", label))
+
+
+ping.register_fake(lambda label: None)
+
+
+@efx.region
+def pings(x):
+    torch.ops.efxlost.ping("region")
+    return x * 2
+
+
+def two_pings(x):
+    torch.ops.efxlost.ping("root")
+    y = pings(pings(x))
+    torch.ops.efxlost.ping("end")
+    return y + 1
+
+
+def test_unregistered_none_op_is_an_ordered_effect() -> None:
+    assert efx.effect_of(ping) == "ordered"
+    result = check_against_eager(two_pings, torch.randn(3, requires_grad=True))
+    assert result.log == [("ping", "root"), ("ping", "region"), ("ping", "region"), ("ping", "end")]
+    assert efx.capture(two_pings, torch.randn(3)).token_keys == ("ordered",)
+
+
+def test_explain_says_why_an_unregistered_op_is_an_effect() -> None:
+    notes = "\n".join(efx.explain(two_pings, torch.randn(3)).notes)
+    assert "efxlost::ping" in notes and "returns nothing" in notes and "register_effect" in notes
+
+
+def test_registering_another_key_wins() -> None:
+    def root_pings(x):  # no region: a region remembers the keys it was first traced with
+        torch.ops.efxlost.ping("root")
+        return x * 2
+
+    handle = efx.register_effect(ping, key="memory")
+    try:
+        assert efx.effect_of(ping) == "memory"
+        assert efx.capture(root_pings, torch.randn(3)).token_keys == ("memory",)
+        assert "efxlost::ping" not in "\n".join(efx.explain(root_pings, torch.randn(3)).notes)
+        check_against_eager(root_pings, torch.randn(3))
+    finally:
+        handle.remove()
+    assert efx.effect_of(ping) == "ordered"
+
+
+def test_ops_that_return_or_mutate_are_not_implicit_effects() -> None:
+    @torch.library.custom_op("efxlost::fill", mutates_args=("x",))
+    def fill(x: torch.Tensor) -> None:
+        x.fill_(1)
+
+    assert efx.effect_of(torch.ops.efxlost.fill.default) is None  # its write is what it does
+    assert efx.effect_of(torch.ops.aten.add.Tensor) is None
+    assert efx.effect_of("profiler::_record_function_exit._RecordFunction") is None  # torch's own: pure
+
+
+# -- 3. Python print inside captured code -------------------------------------------------------------
+_PRINT_WIRED = "capture_prints" in inspect.getsource(_active)
+_PRINT, _REPR = builtins.print, torch.Tensor.__repr__
+needs_print = pytest.mark.skipif(not _PRINT_WIRED, reason="capture_prints is not wired into capture._active")
+
+
+def check_prints(capsys: pytest.CaptureFixture, fn, *args) -> str:
+    """Eager's stdout and stderr for ``fn(*args)`` equal every form's and efx.compile's (twice); capture
+    prints nothing.  Returns eager's stdout."""
+    capsys.readouterr()
+    fn(*args)
+    eager = capsys.readouterr()
+    for name, build in FORMS.items():
+        prog = build(fn, args, {})
+        assert capsys.readouterr() == ("", ""), f"{name}: capture printed"
+        prog(*args)
+        assert capsys.readouterr() == eager, name
+    compiled = efx.compile(fn)
+    for call in (1, 2):
+        compiled(*args)
+        assert capsys.readouterr() == eager, f"compile call {call}"
+    return eager.out
+
+
+@efx.region
+def noisy(x, tag):
+    y = x * 2
+    print("in region", tag, y, sep=" | ")
+    return y + 1
+
+
+def prints_everything(x):
+    print("start", x)
+    z = noisy(x, "a")
+    print(f"z = {z}; mean {z.mean():.3f}", [z, 3], {"k": x.sum()}, end="!\n")
+    print(z.shape, z.dtype, "{braces}", file=sys.stderr, flush=True)
+    print()
+    return noisy(z, "b")
+
+
+@needs_print
+def test_print_prints_run_time_values(capsys: pytest.CaptureFixture) -> None:
+    x = torch.randn(3)
+    out = check_prints(capsys, prints_everything, x)
+    assert out.count("in region") == 2 and "mean" in out
+    prog = efx.capture(prints_everything, x)
+    capsys.readouterr()
+    prints_everything(x + 1)
+    eager = capsys.readouterr()
+    prog(x + 1)  # other values: the program prints them, not the captured ones
+    assert capsys.readouterr() == eager
+
+
+@needs_print
+def test_print_under_autograd_shows_eager_grad_fn(capsys: pytest.CaptureFixture) -> None:
+    out = check_prints(capsys, prints_everything, torch.randn(3, requires_grad=True))
+    assert "grad_fn=<MulBackward0>" in out and "requires_grad=True" in out
+
+
+@needs_print
+def test_print_of_parameters_reads_them_at_run_time(capsys: pytest.CaptureFixture) -> None:
+    lin = torch.nn.Linear(2, 2)
+
+    def show(x):
+        print(lin.weight)
+        return lin(x)
+
+    x = torch.randn(2)
+    check_prints(capsys, show, x)
+    compiled = efx.compile(show)
+    compiled(x)
+    with torch.no_grad():
+        lin.weight.add_(1)
+    capsys.readouterr()
+    show(x)
+    eager = capsys.readouterr()
+    compiled(x)
+    assert capsys.readouterr() == eager
+
+
+@needs_print
+def test_print_to_another_file_warns(capsys: pytest.CaptureFixture) -> None:
+    buffer = io.StringIO()
+
+    def to_buffer(x):
+        print("value", x, file=buffer)  # <- tobuffer
+        return x + 1
+
+    with pytest.warns(efx.UnfaithfulPrintWarning, match="file=") as warned:
+        efx.capture(to_buffer, torch.randn(2))
+    assert line_of("tobuffer") in str(warned[0].message)
+    assert warned[0].filename == __file__
+
+
+@needs_print
+def test_print_of_a_region_argument_that_requires_grad_warns() -> None:
+    @efx.region
+    def shows_arg(x):
+        print(x)  # <- showsarg
+        return x * 2
+
+    with pytest.warns(efx.UnfaithfulPrintWarning, match="shows_arg") as warned:
+        efx.capture(lambda x: shows_arg(x * 3), torch.randn(2, requires_grad=True))
+    assert line_of("showsarg") in str(warned[0].message)
+
+
+@needs_print
+def test_other_threads_print_normally_during_capture(capsys: pytest.CaptureFixture) -> None:
+    def spawns(x):
+        thread = threading.Thread(target=lambda: print("from another thread"))
+        thread.start()
+        thread.join()
+        print("from the capture")
+        return x + 1
+
+    prog = efx.capture(spawns, torch.randn(2))
+    assert capsys.readouterr().out == "from another thread\n"  # printed when it ran, never recorded
+    prog(torch.randn(2))
+    assert capsys.readouterr().out == "from the capture\n"
+    assert builtins.print is _PRINT and torch.Tensor.__repr__ is _REPR  # restored after capture
+
+
+@needs_print
+def test_print_survives_save_and_load(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    x = torch.randn(3)
+    prints_everything(x)
+    eager = capsys.readouterr()
+    efx.remove_effect_tokens(efx.capture(prints_everything, x)).save(tmp_path / "p.zip")
+    loaded = efx.load(tmp_path / "p.zip")
+    capsys.readouterr()
+    loaded(x)
+    assert capsys.readouterr() == eager
+
+
+# -- 5. script objects: a ProcessGroup passed to ops ------------------------------------------------
+_lib = torch.library.Library("efxlost", "FRAGMENT")
+_lib.define("pg_scale(__torch__.torch.classes.c10d.ProcessGroup pg, Tensor x) -> Tensor")
+
+
+def _pg_scale(pg, x):
+    size = torch._C._distributed_c10d.ProcessGroup.unbox(pg).size()
+    LOG.append(("pg_scale", size))
+    return x * (size + 1)
+
+
+_lib.impl("pg_scale", _pg_scale, "CompositeExplicitAutograd")
+torch.library.register_fake("efxlost::pg_scale", lambda pg, x: torch.empty_like(x), lib=_lib)
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("no gloo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield dist.group.WORLD.boxed()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_is_a_program_constant(process_group) -> None:
+    @efx.region
+    def synced(x):
+        torch.ops.c10d.monitored_barrier_(x, process_group, [], 10_000, False)
+        return torch.ops.efxlost.pg_scale(process_group, x) + 1
+
+    def fn(x):
+        return synced(synced(x)) * 2 + synced(x.detach())
+
+    result = check_against_eager(fn, torch.randn(3))
+    assert result.log == [("pg_scale", 1)] * 3
+    assert "_torchbind_obj0" in efx.capture(fn, torch.randn(3)).subgraphs()["synced_subgraph0"].code
+    check_against_eager(lambda x: x * 3 + synced(x.detach()), torch.randn(3, requires_grad=True))
+
+
+def test_saving_a_process_group_is_refused(process_group, tmp_path: Path) -> None:
+    def fn(x):
+        return torch.ops.efxlost.pg_scale(process_group, x)  # <- pgsave
+
+    prog = efx.remove_effect_tokens(efx.capture(fn, torch.randn(3)))
+    with pytest.raises(SerializationError, match="ProcessGroup") as info:
+        prog.save(tmp_path / "pg.zip")
+    assert "efxlost.pg_scale" in str(info.value) and line_of("pgsave") in str(info.value)
+    assert not (tmp_path / "pg.zip").exists()
+
+
+# -- 6. higher-order ops ----------------------------------------------------------------------------
+def uses_cond(x):
+    return torch.cond(x.sum() > 0, lambda x: x * 2, lambda x: x - 1, (x,))  # <- cond
+
+
+def uses_while_loop(x):
+    from torch._higher_order_ops.while_loop import while_loop
+
+    return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (torch.tensor(0), x))[1]  # <- while
+
+
+def uses_print_hop(x):
+    torch._higher_order_ops.print("x = {x}", x=x)  # <- printhop
+    return x + 1
+
+
+def uses_flex_attention(q):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, q, q)  # <- flex
+
+
+@pytest.mark.parametrize("fn, name, marker, shape", [
+    (uses_cond, "cond", "cond", (3,)),
+    (uses_while_loop, "while_loop", "while", (3,)),
+    (uses_print_hop, "print", "printhop", (3,)),
+    (uses_flex_attention, "flex_attention", "flex", (1, 1, 16, 8)),
+], ids=["cond", "while_loop", "print", "flex_attention"])
+def test_higher_order_ops_are_refused_by_name(fn, name, marker, shape) -> None:
+    with pytest.raises(efx.UnsupportedOperatorError, match=f"'{name}'") as info:
+        efx.capture(fn, torch.randn(*shape))
+    assert line_of(marker) in str(info.value)
+
+
+def test_higher_order_op_in_a_region_names_the_region() -> None:
+    region = efx.region(uses_cond)
+    with pytest.raises(efx.UnsupportedOperatorError, match="region 'uses_cond'") as info:
+        efx.capture(lambda x: region(x) + 1, torch.randn(3))
+    assert line_of("cond") in str(info.value)
+
+
+def test_eager_cond_works_after_a_refused_capture() -> None:
+    x = torch.ones(3)
+    assert torch.equal(uses_cond(x), x * 2)  # compiled by Dynamo before the capture
+    for _ in range(2):
+        with pytest.raises(efx.UnsupportedOperatorError):
+            efx.capture(uses_cond, x)
+        assert torch.equal(uses_cond(x), x * 2)
+        assert torch.equal(uses_cond(-x), -x - 1)
+        assert torch.equal(uses_while_loop(x), x * 8)
+
+
+# -- 7. registry drift: a later registration in torch's own registry counts ------------------------
+@torch.library.custom_op("efxlost::tagged", mutates_args=())
+def tagged(x: torch.Tensor) -> torch.Tensor:
+    LOG.append(("tagged",))
+    return x + 1
+
+
+tagged.register_fake(lambda x: torch.empty_like(x))
+
+
+def test_later_registration_in_torch_registry_counts() -> None:
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+    fn = lambda x: torch.ops.efxlost.tagged(x) * 2  # noqa: E731
+    assert efx.effect_of(tagged) is None
+    assert efx.capture(fn, torch.randn(2)).token_keys == ()
+    handle = _register_effectful_op("efxlost::tagged", _EffectType.ORDERED)
+    try:
+        assert efx.effect_of(tagged) == "ordered"
+        assert efx.capture(fn, torch.randn(2)).token_keys == ("ordered",)
+        check_against_eager(fn, torch.randn(2))
+    finally:
+        handle.destroy()
+    assert efx.effect_of(tagged) is None
+
+
+# -- 8. errors people can read ----------------------------------------------------------------------
+@torch.library.custom_op("efxlost::no_fake", mutates_args=())
+def no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_missing_fake_impl_has_a_short_traceback() -> None:
+    @efx.region
+    def calls_no_fake(x):
+        return torch.ops.efxlost.no_fake(x) * 2  # <- nofake
+
+    with pytest.raises(efx.MissingFakeImplError, match="efxlost::no_fake") as info:
+        efx.capture(lambda x: calls_no_fake(x), torch.randn(2))
+    assert line_of("nofake") in str(info.value)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    assert not [f for f in frames if f.filename.startswith(torch_dir)]
+    assert len(frames) < 12, [f"{f.filename}:{f.lineno}" for f in frames]
+    assert info.value.__cause__ is None
+    assert frames[-1].filename == __file__  # the innermost frame shown is the user's call of the op
+
+
+class Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        self.calls.add_(1)  # <- buffer
+        return self.lin(x)
+
+
+def test_in_place_on_a_buffer_names_the_buffer() -> None:
+    with pytest.raises(efx.UnsupportedMutationError, match="buffer 'calls'") as info:
+        efx.capture(Counter(), torch.randn(2))
+    assert line_of("buffer") in str(info.value)
+
+
+class Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.inner[0].weight.mul_(2)  # <- param
+        return self.inner(x)
+
+
+def test_in_place_on_a_nested_parameter_names_its_path() -> None:
+    with pytest.raises(efx.UnsupportedMutationError, match="parameter 'inner.0.weight'") as info:
+        efx.capture(Outer(), torch.randn(2))
+    assert line_of("param") in str(info.value)
+
+
+def test_in_place_on_an_argument_names_the_argument() -> None:
+    @efx.region
+    def bumps(scores):
+        scores.add_(1)  # <- argument
+        return scores
+
+    with pytest.raises(efx.UnsupportedMutationError, match="argument 'scores'") as info:
+        efx.capture(lambda x: bumps(x), torch.randn(2))
+    assert line_of("argument") in str(info.value) and "'bumps'" in str(info.value)
+
+
+def _installed_library(tmp_path: Path) -> object:
+    """A module under a ``site-packages`` directory whose decorator wraps the function that fails, as a
+    library's plumbing does."""
+    root = tmp_path / "site-packages" / "efxlostlib"
+    root.mkdir(parents=True)
+    (root / "__init__.py").write_text(textwrap.dedent('''
+        import functools
+
+        def plumbing(fn):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                return fn(*args, **kwargs)
+            return wrapper
+
+        @plumbing
+        def model(x):
+            return x * x.sum().item()
+    '''))
+    sys.path.insert(0, str(root.parent))
+    try:
+        import efxlostlib
+    finally:
+        sys.path.remove(str(root.parent))
+    return efxlostlib
+
+
+def test_error_inside_a_library_points_at_the_users_call(tmp_path: Path) -> None:
+    lib = _installed_library(tmp_path)
+    with pytest.raises(efx.DataDependentControlFlowError) as info:
+        efx.capture(lambda x: lib.model(x) + 1, torch.randn(2))  # <- libcall
+    text = str(info.value)
+    assert line_of("libcall") in text
+    assert "[inside efxlostlib/__init__.py:" in text  # the library's line is context, not the location
+    sys.modules.pop("efxlostlib", None)
+
+
+def test_transformers_cache_return_points_at_the_users_call() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     use_cache=True, attn_implementation="eager", bos_token_id=0,
+                                     eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with pytest.raises(efx.UnsupportedReturnError, match="DynamicCache") as info:
+        efx.capture(model, torch.randint(0, 50, (1, 4)))  # <- hfcall
+    assert f"called at {__file__}:{line_of('hfcall').split(':')[1]}" in str(info.value)
+    assert "use_cache=False" in str(info.value)
