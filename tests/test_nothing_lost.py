@@ -24,7 +24,7 @@ import torch
 import effectfx as efx
 from effectfx.capture.capture import _active
 from effectfx.runtime.serialize import SerializationError
-from effectfx.testing import LOG, check_against_eager
+from effectfx.testing import LOG, check_against_eager, recording
 from effectfx.testing.differential import FORMS
 
 _SOURCE = Path(__file__).read_text().splitlines()
@@ -273,6 +273,24 @@ def test_process_group_is_a_program_constant(process_group) -> None:
     assert result.log == [("pg_scale", 1)] * 3
     assert "_torchbind_obj0" in efx.capture(fn, torch.randn(3)).subgraphs()["synced_subgraph0"].code
     check_against_eager(lambda x: x * 3 + synced(x.detach()), torch.randn(3, requires_grad=True))
+
+
+def test_process_group_under_the_inductor_backend(process_group, capsys: pytest.CaptureFixture) -> None:
+    def fn(x):
+        y = torch.ops.efxlost.pg_scale(process_group, x.sin()) + 1
+        if _PRINT_WIRED:
+            print("y =", y)
+        return y.cos()
+
+    x = torch.randn(3)
+    with recording() as log:
+        expected = fn(x)
+    eager = capsys.readouterr()
+    compiled = efx.compile(fn, backend="inductor")
+    with recording() as got_log:
+        got = compiled(x)
+    assert torch.allclose(got, expected) and got_log == log == [("pg_scale", 1)]
+    assert capsys.readouterr() == eager
 
 
 def test_saving_a_process_group_is_refused(process_group, tmp_path: Path) -> None:

@@ -49,9 +49,13 @@ class InductorSegment(torch.nn.Module):
         return tuple(self.compiled(inputs))
 
 
-def inline_regions(gm: fx.GraphModule) -> fx.Graph:
-    """A flat copy of a token-free graph: every ``invoke_subgraph`` replaced by its body, recursively."""
+def inline_regions(gm: fx.GraphModule, constants: dict[str, Any] | None = None) -> fx.Graph:
+    """A flat copy of a token-free graph: every ``invoke_subgraph`` replaced by its body, recursively.
+    Program constants that are not subgraphs (a ProcessGroup) stay ``get_attr`` nodes, named in
+    ``constants`` (name -> object)."""
     graph = fx.Graph()
+    constants = {} if constants is None else constants
+    names: dict[int, fx.Node] = {}
 
     def emit(owner: fx.GraphModule, inputs: list[Any] | None) -> list[Any]:
         env: dict[fx.Node, Any] = {}
@@ -63,7 +67,15 @@ def inline_regions(gm: fx.GraphModule) -> fx.Graph:
                 else:
                     env[node] = next(placeholders)
             elif node.op == "get_attr":
-                env[node] = getattr(owner, node.target)
+                value = getattr(owner, node.target)
+                if isinstance(value, fx.GraphModule):
+                    env[node] = value
+                else:  # written into generated code, it would be its repr: keep it an attribute
+                    if id(value) not in names:
+                        name = f"_constant{len(constants)}"
+                        constants[name] = value
+                        names[id(value)] = graph.get_attr(name)
+                    env[node] = names[id(value)]
             elif node.op == "output":
                 return [fx.map_arg(o, lambda n: env[n]) for o in node.args[0]]
             elif node.target is ops.invoke_subgraph:
@@ -101,9 +113,10 @@ def _is_effect(node: fx.Node) -> bool:
 
 def lower_graph(gm: fx.GraphModule, name: str) -> fx.GraphModule:
     """Split a token-free graph into Inductor segments and effects (see the module docstring)."""
-    flat = inline_regions(gm)
-    nodes = [n for n in flat.nodes if n.op not in ("placeholder", "output")]
-    avail: dict[fx.Node, int] = {n: 0 for n in flat.nodes if n.op == "placeholder"}
+    constants: dict[str, Any] = {}
+    flat = inline_regions(gm, constants)
+    nodes = [n for n in flat.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    avail: dict[fx.Node, int] = {n: 0 for n in flat.nodes if n.op in ("placeholder", "get_attr")}
     segment_of: dict[fx.Node, int] = {}
     effects: list[fx.Node] = []
     effect_index: dict[fx.Node, int] = {}
@@ -125,6 +138,9 @@ def lower_graph(gm: fx.GraphModule, name: str) -> fx.GraphModule:
     for node in flat.nodes:
         if node.op == "placeholder":
             env[node] = new.node_copy(node)
+        elif node.op == "get_attr":
+            setattr(holder, node.target, constants[node.target])
+            env[node] = new.node_copy(node)
     output = next(n for n in flat.nodes if n.op == "output")
     for seg in range(len(effects) + 1):
         members = [n for n in nodes if segment_of.get(n) == seg]
@@ -144,6 +160,12 @@ def _emit_segment(new: fx.Graph, holder: torch.nn.Module, env: dict[fx.Node, Any
     inputs: list[fx.Node] = []
     for node in members:
         for i in node.all_input_nodes:
+            if i.op == "get_attr":
+                raise BackendError(
+                    f"{node.format_node()} in {name!r} takes the program constant {i.target} (a "
+                    "ProcessGroup or torchbind object), which Inductor code cannot take. Use the default "
+                    "backend for this program."
+                )
             if i not in inside and i not in inputs:
                 inputs.append(i)
     outputs = [n for n in members if any(u not in inside for u in n.users)]
