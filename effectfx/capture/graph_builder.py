@@ -26,10 +26,18 @@ def _opaque(value: Any) -> bool:
     if kind in _LITERAL_TYPES:
         return False
     if kind is list or kind is tuple:
-        return any(_opaque(v) for v in value)
+        return _any_opaque(value)
     if kind is dict:
-        return any(_opaque(v) for v in value.values())
+        return _any_opaque(value.values())
     return not isinstance(value, _LITERAL_BASES)
+
+
+def _any_opaque(values: Any) -> bool:
+    # on every node's arguments: a loop with the common case inline is ~4x cheaper than any(generator)
+    for v in values:
+        if type(v) not in _LITERAL_TYPES and _opaque(v):
+            return True
+    return False
 
 
 def _node_name(target: Any) -> str | None:
@@ -111,7 +119,7 @@ class GraphBuilder:
         return f"the {'parameter' if isinstance(value, torch.nn.Parameter) else 'buffer'} {name!r}"
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
-        if any(_opaque(a) for a in args) or (kwargs and any(_opaque(v) for v in kwargs.values())):
+        if _any_opaque(args) or (kwargs and _any_opaque(kwargs.values())):
             args, kwargs = fx.node.map_aggregate((args, kwargs), self._constant_or_literal)
         node = self.graph.create_node("call_function", target, args, kwargs or {}, name=_node_name(target))
         node.meta["phase"] = self.phase
