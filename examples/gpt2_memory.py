@@ -4,12 +4,11 @@ step with ``efx.compile`` beside eager.
 * ``gpt2mem::record_memory(prefix, module_name, x)`` is a custom op registered as an effect on key "memory"
   (a stand-in for a memory profiler hook): it logs the prefix, the layer's name, the bytes of the activation
   ``x`` and its RMS.
-* ``gpt2mem::grad_probe(x, module_name)`` is the identity in forward; its backward formula calls
-  ``record_memory("backward", module_name, grad)``: an effect that exists only in backward.
 * Each ``GPT2Block`` is wrapped, the way a user would without touching ``transformers``, in a
-  ``MemoryRecorded`` module whose ``forward`` is an ``@efx.region``: it records, calls the block with
-  whatever arguments GPT-2 passes, and probes the gradient of the block's output.  The layer's name is a
-  plain ``str`` attribute handed to the effect op.
+  ``MemoryRecorded`` module whose ``forward`` is an ``@efx.region``: it records, then calls the block with
+  whatever arguments GPT-2 passes.  The layer's name is a plain ``str`` attribute that only the effect op
+  reads, so it is an operand of the body and one body serves every layer (``efx.explain`` shows it);
+  passing the name to any other op would bake it into the body, one body per layer.
 
 Run it from the repository root: ``python examples/gpt2_memory.py`` (a few seconds on a CPU; needs
 ``transformers``, a test dependency).  Nothing is downloaded.
@@ -44,30 +43,8 @@ def _(prefix: str, module_name: str, x: torch.Tensor) -> None:
 efx.register_effect(torch.ops.gpt2mem.record_memory.default, key="memory")
 
 
-@torch.library.custom_op("gpt2mem::grad_probe", mutates_args=())
-def grad_probe(x: torch.Tensor, module_name: str) -> torch.Tensor:
-    return x.clone()
-
-
-@grad_probe.register_fake
-def _(x: torch.Tensor, module_name: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _grad_probe_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.module_name = inputs[1]
-
-
-def _grad_probe_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    torch.ops.gpt2mem.record_memory("backward", ctx.module_name, grad)
-    return grad, None
-
-
-grad_probe.register_autograd(_grad_probe_backward, setup_context=_grad_probe_setup)
-
-
 class MemoryRecorded(nn.Module):
-    """A GPT-2 block as a region, with a memory record before it and a gradient probe after it."""
+    """A GPT-2 block as a region, with a memory record before it."""
 
     def __init__(self, layer: nn.Module, name: str) -> None:
         super().__init__()
@@ -77,8 +54,7 @@ class MemoryRecorded(nn.Module):
     @efx.region
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         torch.ops.gpt2mem.record_memory("forward", self.name, hidden_states)
-        out = self.layer(hidden_states, *args, **kwargs)
-        return torch.ops.gpt2mem.grad_probe(out, self.name)
+        return self.layer(hidden_states, *args, **kwargs)
 
 
 def build(n_layers: int = 4, seed: int = 0) -> nn.Module:
@@ -131,7 +107,7 @@ def main(n_layers: int = 4) -> int:
     explanation = efx.explain(compiled)
     region = explanation.regions["MemoryRecorded.forward"]
     print(f"\nregion MemoryRecorded.forward: {len(region.bodies)} body(ies), {region.calls} calls; "
-          f"forward effects {list(region.forward_effects)}, backward effects {list(region.backward_effects)}")
+          f"effects {list(region.effects)}")
     for body in region.bodies:
         print(f"  {body.identifier}: {body.reason}")
     for note in explanation.notes:
