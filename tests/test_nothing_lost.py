@@ -188,6 +188,7 @@ def test_print_to_another_file_warns(capsys: pytest.CaptureFixture) -> None:
         efx.capture(to_buffer, torch.randn(2))
     assert line_of("tobuffer") in str(warned[0].message)
     assert warned[0].filename == __file__
+    assert buffer.getvalue() == "value FakeTensor(..., size=(2,))\n"  # once, at capture, as before
 
 
 @needs_print

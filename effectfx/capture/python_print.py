@@ -208,8 +208,14 @@ class _Capture:
             found = self.marked.get(int(match.group(1)))
             if found is None:
                 return "<tensor>"
-            with self.tracer.paused():
-                return _ORIGINAL_REPR(found[0])
+            # torch's repr re-enters Tensor.__repr__ through __torch_function__: no capture on this thread
+            # while it runs, or it would hand back another marker
+            _LOCAL.stack.append(None)
+            try:
+                with self.tracer.paused():
+                    return _ORIGINAL_REPR(found[0])
+            finally:
+                _LOCAL.stack.pop()
 
         return _MARKER.sub(original, text)
 
@@ -227,7 +233,7 @@ _INSTALLED = 0
 
 def _current() -> _Capture | None:
     stack = getattr(_LOCAL, "stack", None)
-    return stack[-1] if stack else None
+    return stack[-1] if stack else None  # None on top: suspended (see _Capture._unmarked)
 
 
 def _print(*args: Any, sep: Any = " ", end: Any = "\n", file: Any = None, flush: Any = False) -> None:
