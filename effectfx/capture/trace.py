@@ -155,7 +155,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
                 f"{where} needs a tensor's data in Python at {user_location(exc)} ({exc}).\neffectfx traces "
                 "with fake tensors, which have no data: keep .numpy(), .tolist() and the like outside the "
                 "captured function, or use tensor ops."
-            ) from exc
+            ) from None  # the message quotes torch's
         spec, layout, tensors = _flatten_outputs(out, where, fn)
         layout = [(kind, raw(v)) for kind, v in layout]  # a returned label is used; finish_labels sees it
         out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]

@@ -284,7 +284,7 @@ class Tracer(TorchDispatchMode):
                 raise DataDependentControlFlowError(
                     f"{func} in {self.where()} has an output whose shape depends on tensor values "
                     f"(at {user_location()}); effectfx captures static shapes only."
-                ) from exc
+                ) from None  # torch's guard failure adds only its own frames
             raise CaptureError(
                 f"effectfx could not trace {func} in {self.where()} at {user_location()}: "
                 f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
