@@ -206,7 +206,8 @@ def test_explain_compiled_module_grad_mode() -> None:
     whys = [p.why for p in e.programs]
     assert whys[1] == "grad mode: enabled -> disabled (vs signature 1)"
     # a guard failed: only Dropout reads its training flag
-    assert whys[2] == "Wrapper.drop.training: True -> False (vs signature 2: a value its capture read changed)"
+    assert whys[2] == ("Wrapper.drop.training: True -> False "
+                       "(vs signature 2: a value its capture read changed)")
     net.unused_flag = False
     with torch.no_grad():
         cnet(torch.randn(2, 4))
@@ -220,8 +221,9 @@ def test_key_differences_direct() -> None:
     on, off = (True, None, None), (False, None, None)
     assert key_differences((on, spec, (bool, True)), (off, spec, (bool, True)), labels[:3],
                            labels[:3]) == ["grad mode: enabled -> disabled"]
+    three = ("ambient", "argument structure", "x")
     assert key_differences((on, spec, (True, None, None)), (on, spec, (True, torch.bfloat16, None)),
-                           ("ambient", "argument structure", "x"), ("ambient", "argument structure", "x")) == [
+                           three, three) == [
         "argument 'x': (True, None, None) -> (True, torch.bfloat16, None)"]
     assert key_differences((on, spec), ((True, torch.bfloat16, None), spec), labels[:2], labels[:2]) == [
         "autocast cpu: off -> bfloat16"]

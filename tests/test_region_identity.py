@@ -379,3 +379,27 @@ def test_unwatchable_object_is_guarded_by_its_state() -> None:
     assert torch.equal(compiled(x), x * 2)
     ns.flag = False
     assert torch.equal(compiled(x), x)
+
+
+def test_region_method_called_twice_on_one_module_shares_its_body() -> None:
+    # the module is watched (its class swapped) after the first call; the key holds its own class
+    lin = nn.Linear(4, 4)
+    layer = Named("layer0")
+    layer.lin = lin
+    prog = efx.capture(lambda x: layer(x) + layer(x), torch.randn(2, 4))
+    assert bodies_of(prog) == 1
+
+
+def test_region_appending_to_a_list_argument_is_refused() -> None:
+    @efx.region
+    def collect(x, out):
+        out.append(x * 2)
+        return x + 1
+
+    def f(x):
+        out = [x]
+        y = collect(x, out)
+        return y + out[-1]
+
+    with pytest.raises(efx.UnsupportedMutationError, match="region 'collect'.*changes"):
+        efx.capture(f, torch.randn(3))

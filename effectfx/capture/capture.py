@@ -16,8 +16,9 @@ from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
 from .meta import OperandSource
+from .python_print import capture_prints
 from .reads import Reads, recording
-from .region_call import leaf_names
+from .region_call import check_containers_unchanged, leaf_names
 from .trace import Scope, trace_graph
 from .tracer import Tracer
 
@@ -30,7 +31,7 @@ def _active(tracer: Tracer) -> Iterator[None]:
     # the trace, nor a fake one made by the trace into the user's eager code
     torch.clear_autocast_cache()
     try:
-        with tracer.label_mode, tracer.fake_mode, tracer:
+        with capture_prints(tracer), tracer.label_mode, tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous
@@ -78,6 +79,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
         traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root",
                              target)
+        check_containers_unchanged("the captured function", target, names, spec, new_leaves, call_args,
+                                   call_kwargs)
 
     bodies = tuple(
         BodyInfo(b.identifier, b.region.name, b.key, b.key_labels, b.trace_seconds,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .meta import TensorMeta
-from .reads import MISSING, Label, Ref, expectation, freeze, plain_value, raw, satisfies
+from .reads import MISSING, Label, Ref, class_of, expectation, freeze, plain_value, raw, satisfies
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -33,7 +33,7 @@ def module_structure(module: torch.nn.Module) -> tuple:
     """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards."""
     from .region_call import module_tensors
 
-    classes = tuple((prefix, type(sub)) for prefix, sub in module.named_modules())
+    classes = tuple((prefix, class_of(sub)) for prefix, sub in module.named_modules())
     return (classes, tuple((name, TensorMeta.of(t)) for name, t in module_tensors(module)))
 
 

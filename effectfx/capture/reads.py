@@ -103,7 +103,7 @@ def expectation(value: Any, structural: bool) -> tuple:
     if frozen is not MISSING:
         return ("=", type(value), frozen)
     if structural and (isinstance(value, torch.nn.Module) or watchable(value)):
-        return ("type", _class_of(value))
+        return ("type", class_of(value))
     if not watchable(value) and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__"):
         state = freeze(vars(value))  # its reads cannot be seen: guard on all its plain state
         if state is not MISSING:
@@ -121,7 +121,7 @@ def satisfies(value: Any, expect: tuple) -> bool:
     if kind == "str":
         return isinstance(value, str)
     if kind == "type":
-        return _class_of(value) is expect[1]
+        return class_of(value) is expect[1]
     if kind == "is":
         return value is expect[1].obj
     if kind == "state":
@@ -129,7 +129,8 @@ def satisfies(value: Any, expect: tuple) -> bool:
     return value is MISSING  # "missing"
 
 
-def _class_of(value: Any) -> type:
+def class_of(value: Any) -> type:
+    """The object's own class, also while it is watched (its class swapped for a recording subclass)."""
     cls = type(value)
     return getattr(cls, "__efx_watched__", cls)
 

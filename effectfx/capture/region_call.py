@@ -22,12 +22,12 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .. import ops
-from ..errors import RegionRecursionError
+from ..errors import RegionRecursionError, UnsupportedMutationError
 from ..regions import Region
 from .identity import call_key, code_reads, guards_hold, key_labels, resolve
 from .meta import OperandSource, TensorMeta, TracedGraph
 from .reads import Reads, raw, recording, report_read
-from .source import user_location
+from .source import definition, user_location
 from .trace import Scope, trace_graph
 from .tracer import Tracer
 
@@ -84,6 +84,22 @@ def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}"
         rest = "_".join(str(getattr(p, "idx", getattr(p, "key", ""))) for p in path[2:])
         names.append(nested.format(base=base, rest=rest) if rest else base)
     return names
+
+
+def check_containers_unchanged(where: str, fn: Any, names: list[str], spec: Any, leaves: list[Any],
+                               args: tuple, kwargs: dict) -> None:
+    """A trace runs on copies of the caller's lists and dicts: one that the code changed (``z.append``)
+    would leave the caller's unchanged, so it is refused rather than silently lost."""
+    after, after_spec = tree_flatten((args, kwargs))
+    if after_spec == spec and len(after) == len(leaves) and all(a is b for a, b in zip(after, leaves)):
+        return
+    changed = next((names[i] for i, (a, b) in enumerate(zip(after, leaves)) if a is not b), None)
+    what = f"argument {changed!r}" if changed and after_spec == spec else "a list or dict argument"
+    raise UnsupportedMutationError(
+        f"{where} (defined at {definition(fn)}) changes {what} in place (append, item assignment...).\n"
+        "effectfx cannot write Python containers back to the caller, so the change would be lost. Return "
+        "the new values instead and update the container outside the captured code."
+    )
 
 
 def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -205,6 +221,8 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
                 report_read(holder, step, value)
             traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
                                  f"region {region.name!r}", region.name, region.fn)
+        check_containers_unchanged(f"region {region.name!r}", region.fn, names, spec, new_leaves,
+                                   body_args, body_kwargs)
     finally:
         tracer.region_stack.pop()
     guards = tuple(reads.guards.items())
