@@ -403,3 +403,16 @@ def test_region_appending_to_a_list_argument_is_refused() -> None:
 
     with pytest.raises(efx.UnsupportedMutationError, match="region 'collect'.*changes"):
         efx.capture(f, torch.randn(3))
+
+
+def test_renamed_layer_under_compile_logs_its_new_name() -> None:
+    model = stack(Named, 2)
+    compiled = efx.compile(model)
+    x = torch.randn(2, 4)
+    for name in ("layer1", "renamed"):
+        model[1].name = name
+        with recording() as want:
+            model(x)
+        with recording() as got:
+            compiled(x)
+        assert got == want

@@ -261,7 +261,9 @@ class Reads:
 
     def read(self, owner: Any, step: Any, value: Any, innermost: bool = False) -> Any:
         path = (*self.path_of(owner), step)
-        if isinstance(value, Label):
+        if isinstance(value, Label) and not self.structural:
+            self.specialize(path, str.__str__(value))  # the root passes the value itself: guard it
+        elif isinstance(value, Label):
             value.watch(self, path)
         elif isinstance(value, str) and innermost and self.on_label is not None and (
                 self.guards.get(path, ("str",)) == ("str",)):
