@@ -95,7 +95,7 @@ def test_region_called_twice():
 
 
 def test_chained_region_keeps_grad_fn_and_both_effects():
-    # DESIGN §7: torch.compile loses an effect or the grad_fn here
+    # torch.compile loses an effect or the grad_fn here
     f = lambda x: twice_region(twice_region(x))  # noqa: E731
     x = leaf_input(3, seed=1)
     check_against_eager(f, x)

@@ -3,7 +3,7 @@
 
 The expected texts are the normalized program text (``prog.code()``: root first, then every subgraph once,
 FX bookkeeping stripped).  Every functionalized program is also checked against the token invariants of
-DESIGN.md section 6 (one linear chain per key, sorted token positions, no bare effectful op).
+Note [Effect tokens] (one linear chain per key, sorted token positions, no bare effectful op).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def token_keys_of(gm: torch.fx.GraphModule) -> tuple[str, ...]:
 
 
 def check_token_chains(prog: efx.Program) -> None:
-    """DESIGN §6 on every graph of a functionalized program (root and each subgraph): per key one linear
+    """Note [Effect tokens] on every graph of a functionalized program (root and each subgraph): per key one linear
     chain from the token input to the token output, in program order; no bare effectful op."""
     check_graph_tokens(prog.graph_module, tuple(prog.token_keys))
     for gm in prog.subgraphs().values():

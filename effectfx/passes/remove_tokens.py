@@ -1,4 +1,4 @@
-"""remove_effect_tokens: functionalized or unlifted form -> token-free form (DESIGN §2.4).
+"""remove_effect_tokens: functionalized or unlifted form -> token-free form (Note [Effect tokens]).
 
 Contract: requires the functionalized, unlifted (or captured) form; gives a new Program with no token in
 any graph or signature, each ``with_effects(t, op, *args)`` replaced by ``op(*args)`` and ``getitem``

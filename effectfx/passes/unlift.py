@@ -1,4 +1,4 @@
-"""unlift_tokens: functionalized form -> unlifted form (DESIGN §2.3, Note [Effect tokens]).
+"""unlift_tokens: functionalized form -> unlifted form (Note [Effect tokens]).
 
 Contract: requires the functionalized form; gives a new Program in which no graph takes or returns a
 token, each graph starts its chains with ``make_token()`` (one per key, sorted) and ends them with

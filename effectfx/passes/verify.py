@@ -1,4 +1,4 @@
-"""verify: check the invariants of Note [Effect tokens] (DESIGN §6) on every graph of a program.
+"""verify: check the invariants of Note [Effect tokens] on every graph of a program.
 
 Contract: reads any form, changes nothing; raises :class:`~effectfx.errors.VerificationError` naming the
 graph, the node (with the graph text around it), the pass that ran last (``after=``) and what to do.
