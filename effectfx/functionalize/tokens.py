@@ -140,9 +140,9 @@ def discover_effects(prog: Program) -> Program:
 
     Contract: requires the captured form; gives the same graphs labelled token-free, with every region's
     effect keys recorded and checked exactly as :func:`thread_tokens` does.  The captured form already is
-    token-free (effectful ops are bare and ordered by node order, Note [Effect tokens]), so threading tokens and
-    removing them again would rebuild every graph only to arrive where it started; efx.compile's default
-    backend takes this shortcut, the tests check both routes agree.
+    token-free (effectful ops are bare and ordered by node order, Note [Effect tokens]), so threading
+    tokens and removing them again would rebuild every graph only to arrive where it started; efx.compile's
+    default backend takes this shortcut, the tests check both routes agree.
     """
     commits: list = []
     effects: dict[str, frozenset[str]] = {}

@@ -1,7 +1,7 @@
 """simplify_for_runtime: fewer and cheaper calls in the graphs efx.compile runs.
 
-Contract: requires the token-free form (graphs run with grad disabled, Note [Effect tokens]); gives a new Program
-computing the same values with the same effects in the same order, with the calls that only autograd
+Contract: requires the token-free form (graphs run with grad disabled; Note [Effect tokens]); gives a new
+Program computing the same values with the same effects in the same order, with the calls that only autograd
 needed removed, and generated code that calls operators directly (``passes.direct_calls``).  Rules, keyed
 by op (``RULES``):
 
