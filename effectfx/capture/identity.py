@@ -134,6 +134,28 @@ def guards_hold(guards: tuple, leaves: Sequence[Any]) -> bool:
     return True
 
 
+def object_guards(guards: tuple) -> tuple[tuple[tuple[Any, str, Any], ...], tuple]:
+    """A compiled program's guards split for its hot path: ``(object, attribute, value)`` for a plain value
+    read straight off an object (most of them: ``training``, config fields), checked with one getattr and
+    one comparison; the rest as general guards."""
+    fast, rest = [], []
+    for path, expect in guards:
+        if (len(path) == 2 and path[0][0] == "id" and isinstance(path[1], str) and expect[0] == "="
+                and expect[1] in (bool, int, float, str, type(None))):
+            fast.append((path[0][1].obj, path[1], expect[2]))
+        else:
+            rest.append((path, expect))
+    return tuple(fast), tuple(rest)
+
+
+def object_guards_hold(fast: tuple, rest: tuple) -> bool:
+    for obj, name, value in fast:
+        got = getattr(obj, name, MISSING)
+        if got is not value and (type(got) is not type(value) or got != value):
+            return False
+    return guards_hold(rest, ())
+
+
 def failed_guards(guards: tuple, leaves: Sequence[Any]) -> list[tuple[tuple, tuple, Any]]:
     """``(path, expected, found)`` for each guard that does not hold now."""
     out = []

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture.capture import trace_program
-from ..capture.identity import ambient, failed_guards, guard_text, guards_hold, leaf_key
+from ..capture.identity import ambient, failed_guards, guard_text, leaf_key, object_guards, object_guards_hold
 from ..capture.meta import TensorMeta
 from ..capture.reads import plain_value
 from ..functionalize import discover_effects, thread_tokens
@@ -78,6 +78,9 @@ class CompiledEntry:
     compile_seconds: float
     guards: tuple = ()  # the capture's reads, by identity: checked before each run
     why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
+
+    def __post_init__(self) -> None:
+        self.checks = object_guards(self.guards)  # the same guards, split for the hot path
 
     def current_lifted(self) -> list[torch.Tensor] | None:
         """The lifted tensors as of now, or None if one no longer matches what was traced."""
@@ -187,7 +190,7 @@ class CompiledCallable:
 
     def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
         for entry in self.cache.get(key, ()):
-            if guards_hold(entry.guards, ()):
+            if object_guards_hold(*entry.checks):
                 lifted = entry.current_lifted()
                 if lifted is not None:
                     return entry, lifted
