@@ -7,7 +7,9 @@ good call works.  A line marked ``# <- name`` is the source line the error must 
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -311,6 +313,16 @@ def _moody_logs() -> bool:
     return _MOODY["log"]
 
 
+@contextlib.contextmanager
+def moody_logging() -> Iterator[None]:
+    """Flip the callee's flag for the duration (no guard sees it: a region's callees are not guarded)."""
+    _MOODY["log"] = True
+    try:
+        yield
+    finally:
+        _MOODY["log"] = False
+
+
 def test_flag_in_region_closure_is_guarded() -> None:
     flag = {"log": False}
 
@@ -341,12 +353,9 @@ def test_effect_set_changes_between_captures() -> None:
     efx.capture(moody, x)
     known = dict(moody.__effectfx_region__.known_effects)
     assert list(known.values()) == [frozenset({"memory"})]
-    _MOODY["log"] = True
-    try:
+    with moody_logging():
         with pytest.raises(efx.RegionEffectsChangedError) as info:
             efx.capture(moody, x)
-    finally:
-        _MOODY["log"] = False
     assert_clear(info.value, names="'moody'", line=None, advice=r"pass that state to the region")
     assert "stdout" in str(info.value)
     assert moody.__effectfx_region__.known_effects == known  # not polluted by the refused trace
@@ -363,12 +372,9 @@ def test_effect_set_change_names_source_line() -> None:
         return x * 2
 
     efx.capture(moody, torch.randn(4))
-    _MOODY["log"] = True
-    try:
+    with moody_logging():
         with pytest.raises(efx.RegionEffectsChangedError) as info:
             efx.capture(moody, torch.randn(4))
-    finally:
-        _MOODY["log"] = False
     assert line_of("moody") in str(info.value)
 
 
@@ -382,12 +388,9 @@ def test_backward_effect_set_changes_between_captures() -> None:
     x = torch.randn(4, requires_grad=True)
     efx.capture(maybe_scaled, x)
     known = dict(maybe_scaled.__effectfx_region__.known_effects)
-    _MOODY["log"] = True
-    try:
+    with moody_logging():
         with pytest.raises(efx.RegionEffectsChangedError) as info:
             efx.capture(maybe_scaled, x)
-    finally:
-        _MOODY["log"] = False
     assert_clear(info.value, names="'maybe_scaled'", line=None, advice=r"argument")
     assert "backward" in str(info.value)
     assert maybe_scaled.__effectfx_region__.known_effects == known
@@ -402,13 +405,10 @@ def test_effect_set_change_under_compile_leaves_cache_empty() -> None:
 
     x = torch.randn(4)
     efx.compile(moody)(x)
-    _MOODY["log"] = True
     cfn = efx.compile(moody)
-    try:
+    with moody_logging():
         with recording() as log, pytest.raises(efx.RegionEffectsChangedError):
             cfn(x)
-    finally:
-        _MOODY["log"] = False
     assert log == [] and cfn.cache == {} and cfn.stats.compiles == 0
     assert torch.equal(cfn(x), x * 2) and cfn.stats.compiles == 1
 
