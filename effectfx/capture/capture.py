@@ -31,7 +31,7 @@ def _active(tracer: Tracer) -> Iterator[None]:
     # the trace, nor a fake one made by the trace into the user's eager code
     torch.clear_autocast_cache()
     try:
-        with capture_prints(tracer), tracer.label_mode, tracer.fake_mode, tracer:
+        with capture_prints(tracer), tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous

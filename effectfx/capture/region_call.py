@@ -7,6 +7,7 @@ The first call with a new cache key traces a body; every call then emits
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -14,7 +15,6 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
@@ -58,11 +58,13 @@ class RegionBody:
 def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
     stored as ``self.mask = ...``), which differ between instances just as parameters do."""
-    yield from chain(module.named_parameters(), module.named_buffers())
-    for prefix, sub in module.named_modules():
-        for k, v in vars(sub).items():
-            if isinstance(v, torch.Tensor) and not k.startswith("_"):
-                yield (f"{prefix}.{k}" if prefix else k), v
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules():  # one walk: every call site keys its module by this
+        for table in (sub._parameters, sub._buffers, vars(sub)):
+            for k, v in table.items():
+                if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
+                    seen.add(id(v))
+                    yield (f"{prefix}.{k}" if prefix else k), v
 
 
 def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}") -> list[str]:
@@ -214,9 +216,11 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
         else:
             reads.root(leaf, (("leaf", i),))
     body_args, body_kwargs = tree_unflatten(new_leaves, spec)
+    # labels live only in bodies: the root's own calls (and the bookkeeping of its call sites) skip the mode
+    label_mode = contextlib.nullcontext() if tracer.region_stack else tracer.label_mode
     tracer.region_stack.append(region)
     try:
-        with recording(reads):
+        with label_mode, recording(reads):
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
             traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
