@@ -33,6 +33,9 @@ import effectfx as efx
 
 ROOT = Path(__file__).resolve().parent
 RESULTS_DIR = ROOT / "results"
+# quick runs are smoke tests: they must never replace the committed figures in RESULTS_DIR, so by default
+# they land in a folder .gitignore excludes
+QUICK_RESULTS_DIR = RESULTS_DIR / "quick"
 
 # -- the effect op ---------------------------------------------------------------------------------
 LOG: list[str] = []
@@ -204,10 +207,42 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def output_dir(out: Path | None, quick: bool) -> Path:
+    """Where a run writes: ``out`` when given, else :data:`QUICK_RESULTS_DIR` for quick runs (git-ignored)
+    and :data:`RESULTS_DIR` (the committed figures) for full runs."""
+    if out is not None:
+        return out
+    return QUICK_RESULTS_DIR if quick else RESULTS_DIR
+
+
+def replace_atomically(path: Path, write: Callable[[Path], Any]) -> Path:
+    """``write(tmp)`` then rename ``tmp`` to ``path``: two runs writing the same folder at once (two test
+    runs in one checkout) never leave a half-written file for a reader."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def write_json(data: dict[str, Any], out_dir: Path, name: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    return replace_atomically(out_dir / f"{name}.json", lambda tmp: tmp.write_text(text))
+
+
+def save_figure(fig: Any, title: str, data: dict[str, Any], path: Path) -> Path:
+    """Title ``fig`` with what was measured and on which torch, when; write it to ``path`` as PNG."""
+    import matplotlib.pyplot as plt
+
+    m = data["machine"]
+    fig.suptitle(f"{title} -- torch {m['torch']}, {m['timestamp'][:16]}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 

@@ -305,14 +305,17 @@ def plot(data: dict[str, Any], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N in (1, 4), one repetition")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="output directory")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: results/, or results/quick/ with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    out = common.output_dir(args.out, args.quick)
     progress = common.Progress(len(plan(args.quick)), NAME)
     data = run(args.quick, progress)
     print(table(data))
-    print("wrote", common.write_json(data, args.out, NAME), plot(data, args.out / f"{NAME}.png"))
+    print("wrote", common.write_json(data, out, NAME),
+          common.replace_atomically(out / f"{NAME}.png", lambda path: plot(data, path)))
     return 0
 
 

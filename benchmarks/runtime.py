@@ -8,12 +8,14 @@ also measured on the same stack without the effect op; the cost per effect is
 order each round, each sample a batch of calls lasting about a millisecond or more; reported figures are
 medians over rounds (differences are medians of per-round differences).
 
-Run: ``python benchmarks/runtime.py [--quick]`` or ``effectfx bench``.
+Run: ``python benchmarks/runtime.py [--quick]`` or ``effectfx bench``; ``--plot-only results/runtime.json``
+redraws the plot from a saved run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -253,16 +255,74 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+# the systems drawn, each with its effect op; the no-effect variants stay in the JSON and the table
+PLOTTED = {"eager": ("eager", "C2"), "efx": ("effectfx", "C0"), "tc": ("torch.compile (aot_eager)", "C3")}
+
+
+def _short_error(status: str) -> str:
+    if "grad_fn" in status:
+        return "output has no grad_fn"
+    return status.split(":")[1].strip() if status.count(":") >= 2 else status
+
+
+def plot(data: dict[str, Any], path: Path) -> Path:
+    """Steady-state time per call, one panel per mode: a bar per system and width, labelled with its
+    ratio to eager; a system that could not run the configuration is marked where its bar would be."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
+
+    widths = data["config"]["widths"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    bar = 0.8 / len(PLOTTED)
+    for ax, mode in zip(axes, ("inference", "training")):
+        rows = {r["width"]: r for r in data["results"] if r["mode"] == mode}
+        for k, (system, (label, color)) in enumerate(PLOTTED.items()):
+            for i, width in enumerate(widths):
+                r = rows.get(width)
+                if r is None or system not in r["systems"]:
+                    continue  # not measured here (a quick run skips torch.compile)
+                x = i + (k - (len(PLOTTED) - 1) / 2) * bar
+                us = r["wall"]["median_us"].get(system)
+                if us is None:  # compiled but could not run: the JSON holds its error
+                    ax.text(x, 0.04, "fails: " + _short_error(r["systems"][system]["status"]),
+                            rotation=90, ha="center", va="bottom", color=color, fontsize=8,
+                            transform=blended_transform_factory(ax.transData, ax.transAxes))
+                    continue
+                ax.bar(x, us, bar, color=color, label=label if i == 0 else None)
+                ax.text(x, us * 1.05, f"{us / r['wall']['median_us']['eager']:.2f}x", ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlim(-0.5, len(widths) - 0.5)  # room for the marks of systems that failed
+        ax.set_xticks(range(len(widths)))
+        ax.set_xticklabels([f"{w} wide" for w in widths])
+        ax.set_title(f"steady state, {mode} ({N_BLOCKS} blocks, batch {BATCH})")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0].set_ylabel("median wall-clock time per call (us)")
+    axes[0].legend(fontsize=8, loc="upper left")
+    return common.save_figure(fig, "time per call after warm-up, labels = ratio to eager", data, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64-wide only, a short time budget")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="output directory")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: results/, or results/quick/ with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--plot-only", type=Path, metavar="JSON",
+                        help="redraw the plot from a runtime.json without measuring")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    data = run(args.quick, common.Progress(steps_total(args.quick), NAME))
-    print(table(data))
-    print("wrote", common.write_json(data, args.out, NAME))
+    out = common.output_dir(args.out, args.quick)
+    if args.plot_only is not None:
+        data = json.loads(args.plot_only.read_text())
+    else:
+        torch.set_num_threads(args.threads)
+        data = run(args.quick, common.Progress(steps_total(args.quick), NAME))
+        print(table(data))
+        print("wrote", common.write_json(data, out, NAME))
+    print("wrote", common.replace_atomically(out / f"{NAME}.png", lambda path: plot(data, path)))
     return 0
 
 

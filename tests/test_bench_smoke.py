@@ -1,9 +1,11 @@
-"""Smoke test of ``effectfx bench --quick``: it runs, and its JSON and PNG hold sane numbers."""
+"""Smoke test of ``effectfx bench --quick``: it runs, writes into the git-ignored
+``benchmarks/results/quick/`` (never over the committed figures), and its JSON and PNGs hold sane numbers."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +23,46 @@ def _finite_positive(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_bench_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "effectfx", "bench", "--quick", "--out", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
+def _results_status() -> str | None:
+    """``git status`` of the committed results (None outside a git checkout)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    proc = subprocess.run(["git", "status", "--porcelain", "--", "benchmarks/results"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def test_output_dir() -> None:
+    from effectfx.cli.bench import _benchmarks_package
+
+    _benchmarks_package()  # the checkout's benchmarks/ made importable, as the CLI does
+    from benchmarks import common
+
+    assert common.output_dir(None, quick=False) == common.RESULTS_DIR
+    assert common.output_dir(None, quick=True) == common.QUICK_RESULTS_DIR == common.RESULTS_DIR / "quick"
+    assert common.output_dir(Path("elsewhere"), quick=True) == Path("elsewhere")
+
+
+def test_bench_quick() -> None:
+    """The README's command, verbatim (no ``--out``), from the repository's root."""
+    before = _results_status()
+    proc = subprocess.run([sys.executable, "-m", "effectfx", "bench", "--quick"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "effectfx bench [" in proc.stderr  # the progress bar
     assert "first call, inference" in proc.stdout and "steady state" in proc.stdout
+    # nothing committed changed; the files went to the git-ignored quick folder
+    assert _results_status() == before
+    written = {Path(line.split(" ", 1)[1]).name: Path(line.split(" ", 1)[1])
+               for line in proc.stdout.splitlines() if line.startswith("wrote ")}
+    assert set(written) == {"first_call.json", "first_call.png", "runtime.json", "runtime.png"}
+    assert all(path.parent == ROOT / "benchmarks" / "results" / "quick" for path in written.values())
 
-    first = json.loads((tmp_path / "first_call.json").read_text())
-    runtime = json.loads((tmp_path / "runtime.json").read_text())
-    png = (tmp_path / "first_call.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    first = json.loads(written["first_call.json"].read_text())
+    runtime = json.loads(written["runtime.json"].read_text())
+    for name in ("first_call.png", "runtime.png"):
+        png = written[name].read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
     for data in (first, runtime):
         machine = data["machine"]

@@ -1,8 +1,12 @@
-"""``effectfx bench``: run the benchmarks in ``benchmarks/`` with a progress bar; JSON results + PNG plot.
+"""``effectfx bench``: run the benchmarks in ``benchmarks/`` with a progress bar; JSON results + PNG plots.
 
 * ``first_call`` -- capture+compile+first-run time of efx.compile vs torch.compile(aot_eager) vs eager
   for N = 1, 4, 16, 64 blocks, inference and training; plotted to ``first_call.png``;
-* ``runtime`` -- steady-state time per call vs eager and torch.compile, and the cost per effect.
+* ``runtime`` -- steady-state time per call vs eager and torch.compile, and the cost per effect; plotted
+  to ``runtime.png``.
+
+A full run writes ``benchmarks/results/`` (the committed figures); ``--quick`` writes
+``benchmarks/results/quick/`` (git-ignored), so a smoke run never replaces them; ``--out`` chooses.
 
 The benchmarks live in the source checkout (``benchmarks/`` beside the ``effectfx`` package), which an
 editable install (``pip install -e .``, what ``make`` does) provides.
@@ -23,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: few sizes, one repetition, short budgets (well under a minute)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="directory for the JSON files and the plot (default: benchmarks/results)")
+                        help="directory for the JSON files and the plots (default: benchmarks/results, "
+                             "or benchmarks/results/quick with --quick)")
     parser.add_argument("--only", choices=BENCHMARKS, action="append",
                         help="run only this benchmark (repeatable)")
     parser.add_argument("--threads", type=int, default=1,
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from benchmarks import common, first_call, runtime
 
     torch.set_num_threads(args.threads)
-    out: Path = args.out or common.RESULTS_DIR
+    out = common.output_dir(args.out, args.quick)
     selected = args.only or list(BENCHMARKS)
     total = 1  # the warm-up
     if "first_call" in selected:
@@ -66,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
         data = first_call.run(args.quick, progress, warm=False)
         print(first_call.table(data))
         written.append(common.write_json(data, out, first_call.NAME))
-        written.append(first_call.plot(data, out / f"{first_call.NAME}.png"))
+        written.append(common.replace_atomically(out / f"{first_call.NAME}.png",
+                                                 lambda path, data=data: first_call.plot(data, path)))
     if "runtime" in selected:
         data = runtime.run(args.quick, progress, warm=False)
         print(runtime.table(data))
         written.append(common.write_json(data, out, runtime.NAME))
+        written.append(common.replace_atomically(out / f"{runtime.NAME}.png",
+                                                 lambda path, data=data: runtime.plot(data, path)))
     for path in written:
         print(f"wrote {path}")
     return 0
