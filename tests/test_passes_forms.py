@@ -8,6 +8,7 @@ import torch
 
 import effectfx as efx
 from effectfx import ops
+from effectfx.passes.dce import dead_code_elimination_pass
 from effectfx.passes.pipeline import run_passes
 from effectfx.runtime.printing import subgraphs
 from effectfx.testing import check_against_eager, recording
@@ -102,7 +103,7 @@ PASSES = {
     "unlift_tokens": efx.unlift_tokens,
     "remove_effect_tokens": efx.remove_effect_tokens,
     "unlift_then_remove": lambda p: efx.remove_effect_tokens(efx.unlift_tokens(p)),
-    "dead_code_elimination": lambda p: run_passes(p, [efx.dead_code_elimination]),
+    "dead_code_elimination": efx.dead_code_elimination,
 }
 
 
@@ -215,6 +216,16 @@ def test_unlifted_multi_key_region_call() -> None:
     assert not [n for n in body.graph.nodes if n.op == "placeholder" and n.name.startswith("token")]
 
 
+def test_dead_code_elimination_is_in_the_history() -> None:
+    """Like every pass, DCE stamps its name into ``prog.history`` (what ``print(prog)`` shows), on both
+    halves of a training program too."""
+    prog = efx.dead_code_elimination(efx.capture(several_keys, torch.randn(3)))
+    assert [r.name for r in prog.history][-1] == "dead_code_elimination"
+    assert "dead_code_elimination (" in str(prog).splitlines()[0]
+    training = efx.dead_code_elimination(efx.capture(Blocks(4), torch.randn(2, 4, requires_grad=True)))
+    assert training.forward.history[-1].name == training.backward.history[-1].name == "dead_code_elimination"
+
+
 @pytest.mark.parametrize("form", ["unlifted", "token-free"])
 def test_forms_of_training_programs(form: str) -> None:
     """Both halves of a TrainingProgram are rewritten; backward effects keep their order."""
@@ -271,7 +282,7 @@ def test_debug_mode_verifies_after_each_pass(monkeypatch: pytest.MonkeyPatch) ->
 
     with pytest.raises(efx.VerificationError, match="after pass 'drop_first_effect'"):
         run_passes(prog, [drop_first_effect])
-    run_passes(prog, [efx.dead_code_elimination])
+    run_passes(prog, [dead_code_elimination_pass])
 
 
 def test_passes_reject_wrong_forms() -> None:

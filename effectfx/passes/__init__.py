@@ -7,7 +7,7 @@ verifies after each).  None mutates its input.  See Note [Effect tokens] for the
 ``functionalize.discover_effects``             captured -> token-free, region effects found, no rebuild
 ``unlift.unlift_tokens``                       functionalized -> unlifted (make_token / sink_tokens)
 ``remove_tokens.remove_effect_tokens``         functionalized/unlifted -> token-free
-``dce.dead_code_elimination``                  any -> same form, pure dead nodes gone, effects kept
+``dce.dead_code_elimination_pass``             any -> same form, pure dead nodes gone, effects kept
 ``simplify.simplify_for_runtime``              token-free -> token-free, autograd-only calls gone
 ``direct_calls.direct_op_calls``               token-free -> token-free, operators called directly
 ``verify.verify``                              checks the invariants; returns nothing, raises on violation

@@ -6,11 +6,14 @@ pure nodes whose values nobody reads removed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
 
 from .. import ops
 from ..effects import node_effect_keys
 from ..runtime.program import Program
+from .pipeline import run_passes
 from .rewrite import GraphContext, GraphRewrite
 
 _ALWAYS_LIVE = {ops.sink_tokens, ops.with_effects}
@@ -43,10 +46,19 @@ class _CopyGraphs(GraphRewrite):
         gm.recompile()
 
 
-def dead_code_elimination(prog: Program) -> Program:
+def dead_code_elimination_pass(prog: Program) -> Program:
     """Any form -> same form: a new Program whose graphs lack the pure nodes nobody reads; every effect,
     effectful region call and token stays (the registry decides, via :func:`is_effectful`)."""
     rewrite = _CopyGraphs(prog.form)
     rewrite.form_out = prog.form
     keys = tuple(prog.token_keys) if prog.form == "functionalized" else ()
     return prog.replace(graph_module=rewrite.rebuild(prog.graph_module, keys))
+
+
+dead_code_elimination_pass.__name__ = "dead_code_elimination"
+
+
+def dead_code_elimination(prog: Any) -> Any:
+    """``efx.dead_code_elimination``: a new Program (or TrainingProgram, both halves) without dead pure
+    nodes, stamped in its history and verified in debug mode like every other pass."""
+    return run_passes(prog, [dead_code_elimination_pass])
