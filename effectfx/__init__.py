@@ -6,6 +6,9 @@ Note [Joint trace]).
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import ops
 from .capture.capture import capture
 from .effects import effect_of, register_effect
@@ -27,15 +30,36 @@ from .errors import (
     UnsupportedReturnError,
     VerificationError,
 )
-from .explain import Explanation, explain
 from .passes.dce import dead_code_elimination
 from .passes.remove_tokens import remove_effect_tokens
-from .passes.unlift import unlift_tokens
-from .passes.verify import verify
 from .regions import region
 from .runtime.compile import CompiledCallable, compile
 from .runtime.program import Program, TrainingProgram
-from .runtime.serialize import load
+
+if TYPE_CHECKING:
+    from .explanation import Explanation, explain
+    from .passes.unlift import unlift_tokens
+    from .passes.verify import verify
+    from .runtime.serialize import load
+
+# Imported on first use (PEP 562), not by ``import effectfx``: a capture never needs them, and every module
+# spared here is time a user's first ``import effectfx`` does not pay.
+_LAZY = {
+    "explain": "explanation", "Explanation": "explanation", "load": "runtime.serialize",
+    "unlift_tokens": "passes.unlift", "verify": "passes.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'effectfx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "BackendError", "CaptureError", "CompiledCallable", "DataDependentControlFlowError", "EffectfxError",

@@ -106,7 +106,8 @@ def main(n_layers: int = 4) -> int:
 
     explanation = efx.explain(compiled)
     region = explanation.regions["MemoryRecorded.forward"]
-    print(f"\nregion MemoryRecorded.forward: {len(region.bodies)} body(ies), {region.calls} calls; "
+    bodies = "1 body" if len(region.bodies) == 1 else f"{len(region.bodies)} bodies"
+    print(f"\nregion MemoryRecorded.forward: {bodies}, {region.calls} calls; "
           f"effects {list(region.effects)}")
     for body in region.bodies:
         print(f"  {body.identifier}: {body.reason}")

@@ -45,7 +45,7 @@ def test_gpt2_memory_example() -> None:
     entries = [line.strip().strip("()").split(", ")[:3] for line in log.splitlines()]
     assert entries == [["'forward'", f"'layer{i}'", "4096"] for i in range(4)]
     # the layer name is an operand of the effect: one body serves the four layers
-    assert "region MemoryRecorded.forward: 1 body(ies), 4 calls; effects ['memory']" in out
+    assert "region MemoryRecorded.forward: 1 body, 4 calls; effects ['memory']" in out
 
 
 @pytest.fixture(scope="module")

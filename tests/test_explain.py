@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import effectfx as efx
-from effectfx.explain import Explanation, key_differences
+from effectfx.explanation import Explanation, key_differences
 from effectfx.testing import recording
 
 # the efxtest:: ops (registered by effectfx.testing): record_memory ("memory"), log_tensor ("stdout"),
@@ -50,7 +50,8 @@ def test_reason_names_the_differing_argument() -> None:
     assert len(e.regions["inner"].bodies) == 1 and e.regions["inner"].calls == 2
     assert e.regions["pure"].calls == 2
     text = str(e)
-    assert "scaled: 2 body(ies), 2 call(s)" in text
+    assert "scaled: 2 bodies, 2 calls" in text and "inner: 1 body, 2 calls" in text
+    assert "regions: 3 regions, 4 bodies, 6 calls" in text and "(ies)" not in text and "(s)" not in text
     assert f"why: argument 'n': 2 -> 3 (vs {first.identifier})" in text
     assert "region 'scaled' got 2 bodies for 2 calls (differing: argument 'n')" in text
 
@@ -134,7 +135,18 @@ def test_graph_sizes_and_stages() -> None:
     assert [s.name for s in report.stages] == ["capture", "thread_tokens"]
     assert all(s.seconds >= 0 for s in report.stages)
     text = str(e)
-    assert "time per stage:" in text and "thread_tokens" in text and "graphs (nodes / ops" in text
+    assert "time per stage:" in text and "thread_tokens" in text and "graphs:" in text
+    # columns line up: every row of a table has its numbers ending in the same column
+    lines = text.splitlines()
+    stages = lines[lines.index("  time per stage:") + 1:]
+    stages = stages[:next(i for i, line in enumerate(stages) if line.lstrip().startswith("total")) + 1]
+    assert len(stages) == 3 and len({len(line) for line in stages}) == 1 and stages[-1].endswith(" ms")
+    graphs = lines[lines.index("  graphs:") + 1:lines.index("  time per stage:")]
+    assert graphs[0].split() == ["graph", "nodes", "ops", "effects", "region", "calls", "region"]
+    ends = {line.index(" ms") if " ms" in line else None for line in graphs}
+    assert ends == {None}
+    column = graphs[0].index("effects") + len("effects")  # right-aligned under their header
+    assert all(line[column - 1].isdigit() for line in graphs[1:])
 
 
 def test_explain_does_not_run_effects() -> None:
@@ -171,7 +183,7 @@ def test_explain_compiled_callable() -> None:
     # inside each program, bodies are explained as for a capture
     assert [b.differences for b in first.regions[0].bodies] == [(), ("argument 'n': 1 -> 2",)]
     text = str(e)
-    assert "efx.compile(f)" in text and "3 compiled signature(s), 4 call(s)" in text
+    assert "efx.compile(f)" in text and "3 compiled signatures, 4 calls so far" in text
     assert "why: x: shape [3] -> [5] (vs signature 1)" in text
 
     # with arguments: compiles that signature (runs nothing), then explains every cached program
@@ -241,3 +253,58 @@ def test_sequential_module_explained() -> None:
     torch.testing.assert_close(cnet(x), net(x))
     e = efx.explain(cnet)
     assert e.compiles == 1 and e.programs[0].why == "first call" and e.programs[0].training
+
+
+def test_plurals() -> None:
+    from effectfx.explanation.report import count
+
+    assert [count(1, "body"), count(2, "body"), count(0, "call"), count(1, "compiled signature")] == [
+        "1 body", "2 bodies", "0 calls", "1 compiled signature"]
+
+
+class Named(torch.nn.Module):
+    def __init__(self, i: int, shout: bool) -> None:
+        super().__init__()
+        self.name, self.idx, self.shout = f"layer{i}", i, shout
+        self.lin = torch.nn.Linear(3, 3)
+
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shout:  # uses the label's value: one body per name
+            _ops.record_memory(self.name.upper())
+        else:  # passes it on untouched: an operand, one body for all
+            _ops.record_memory(self.name)
+        return self.lin(x)
+
+
+class Indexed(Named):
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (self.idx + 1)
+
+
+def _stack(cls: type, shout: bool = False) -> torch.nn.Module:
+    return torch.nn.Sequential(*[cls(i, shout) for i in range(3)]).requires_grad_(False)
+
+
+def test_hint_when_bodies_differ_by_a_label() -> None:
+    """A string used by value splits bodies; explain says that strings only passed to effectful ops are
+    operands, and points to the note."""
+    x = torch.randn(3)
+    assert len(efx.explain(_stack(Named), x).regions["Named.forward"].bodies) == 1
+    e = efx.explain(_stack(Named, shout=True), x)
+    region = e.regions["Named.forward"]
+    assert len(region.bodies) == 3
+    assert region.bodies[1].read_types == ("str",)
+    note = next(n for n in e.notes if "Named.forward" in n)
+    assert "(differing: self.name)" in note
+    assert "A string it only passes to effectful ops becomes an operand" in note
+    assert "Note [Region identity] in effectfx/notes.py" in note
+
+
+def test_hint_when_bodies_differ_by_an_attribute() -> None:
+    e = efx.explain(_stack(Indexed), torch.randn(3))
+    region = e.regions["Indexed.forward"]
+    assert len(region.bodies) == 3 and region.bodies[2].read_types == ("int",)
+    note = next(n for n in e.notes if "Indexed.forward" in n)
+    assert "numbers and bools always specialize a body" in note and "Note [Region identity]" in note

@@ -14,26 +14,30 @@ compiled (which part of the compile key differed from the closest earlier signat
 the callable first compiles them (without running anything).  A ``Program`` or ``TrainingProgram`` can be
 passed directly too.
 
-``str(explanation)`` is the readable report; the dataclasses hold the same facts for programs and tests.
+This module gathers the facts into the dataclasses of :mod:`effectfx.explanation.report`, which also
+renders them (``str(explanation)``).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
-from . import ops
-from .capture.identity import body_differences, key_differences, part_differences
-from .capture.region_call import leaf_names
-from .effects import effect_of
-from .runtime.compile import CompiledCallable, CompiledEntry
-from .runtime.printing import subgraphs
-from .runtime.program import BodyInfo, Program, TrainingProgram
+from .. import ops
+from ..capture.identity import body_differences, key_differences, part_differences
+from ..capture.region_call import leaf_names
+from ..effects import effect_of
+from ..runtime.compile import CompiledCallable, CompiledEntry
+from ..runtime.printing import subgraphs
+from ..runtime.program import BodyInfo, Program, TrainingProgram
+from .report import BodyReport, Explanation, GraphSize, ProgramReport, RegionReport, Stage, ident_order
+
+NOTES = "Note [Region identity] in effectfx/notes.py"
 
 
 def _closest(candidates: Sequence[Any], diff: Callable[[Any], list[str]]) -> tuple[Any, list[str]] | None:
@@ -45,146 +49,7 @@ def _closest(candidates: Sequence[Any], diff: Callable[[Any], list[str]]) -> tup
     return best
 
 
-# -- the report ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BodyReport:
-    """One traced body of a region, and why it exists."""
-
-    identifier: str
-    region: str
-    calls: int
-    trace_seconds: float
-    reason: str
-    differences: tuple[str, ...] = ()
-    compared_with: str | None = None
-    forward_effects: tuple[str, ...] | None = None
-    backward_effects: tuple[str, ...] | None = None
-    forward_nodes: int | None = None
-    backward_nodes: int | None = None
-
-    @property
-    def new(self) -> bool:
-        """Whether this body exists because an earlier body of its region did not fit."""
-        return self.compared_with is not None
-
-
-@dataclass(frozen=True)
-class RegionReport:
-    name: str
-    bodies: tuple[BodyReport, ...]
-
-    @property
-    def calls(self) -> int:
-        return sum(b.calls for b in self.bodies)
-
-    @property
-    def effects(self) -> tuple[str, ...]:
-        keys = {k for b in self.bodies for k in (*(b.forward_effects or ()), *(b.backward_effects or ()))}
-        return tuple(sorted(keys))
-
-    @property
-    def forward_effects(self) -> tuple[str, ...]:
-        return tuple(sorted({k for b in self.bodies for k in (b.forward_effects or ())}))
-
-    @property
-    def backward_effects(self) -> tuple[str, ...]:
-        return tuple(sorted({k for b in self.bodies for k in (b.backward_effects or ())}))
-
-
-@dataclass(frozen=True)
-class GraphSize:
-    program: str  # "forward", "backward" or "program"
-    graph: str  # "root" or the subgraph's attribute name
-    identifier: str | None
-    nodes: int
-    ops: int  # call_function nodes other than getitem
-    effects: int  # effectful op calls (wrapped or not)
-    region_calls: int
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    seconds: float
-    program: str  # which half ran the stage ("forward", "backward", or "" when shared/whole)
-
-
-@dataclass(frozen=True)
-class ProgramReport:
-    """One program (one capture, or one compiled signature)."""
-
-    title: str
-    training: bool
-    form: str
-    inputs: str
-    token_keys: tuple[str, ...]
-    regions: tuple[RegionReport, ...]
-    graphs: tuple[GraphSize, ...]
-    stages: tuple[Stage, ...]
-    why: str | None = None  # compiled callables: why this signature was compiled
-    why_differences: tuple[str, ...] = ()
-    compile_seconds: float | None = None
-
-    @property
-    def bodies(self) -> tuple[BodyReport, ...]:
-        bodies = (b for r in self.regions for b in r.bodies)
-        return tuple(sorted(bodies, key=lambda b: _ident_order(b.identifier)))
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(s.seconds for s in self.stages)
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """What :func:`explain` found; ``str()`` is the readable report."""
-
-    target: str
-    programs: tuple[ProgramReport, ...]
-    compiled: bool = False
-    compiles: int | None = None
-    calls: int | None = None
-    notes: tuple[str, ...] = field(default=())
-
-    # convenient views over every program
-    @property
-    def bodies(self) -> tuple[BodyReport, ...]:
-        return tuple(b for p in self.programs for b in p.bodies)
-
-    @property
-    def regions(self) -> dict[str, RegionReport]:
-        """Region reports by name (of the first program that has each region)."""
-        out: dict[str, RegionReport] = {}
-        for p in self.programs:
-            for r in p.regions:
-                out.setdefault(r.name, r)
-        return out
-
-    @property
-    def reasons(self) -> dict[str, str]:
-        """``{identifier: why that body was traced}`` of the first program."""
-        return {b.identifier: b.reason for b in self.programs[0].bodies} if self.programs else {}
-
-    def region_effects(self) -> dict[str, tuple[str, ...]]:
-        return {name: r.effects for name, r in self.regions.items()}
-
-    def __str__(self) -> str:
-        return _render(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
-        p.text(str(self))
-
-
-def _ident_order(identifier: str) -> tuple[int, str]:
-    tail = identifier.rsplit("_", 1)[-1]
-    return (int(tail), identifier) if tail.isdigit() else (1 << 30, identifier)
-
-
 def _graph_size(program: str, graph: str, identifier: str | None, gm: fx.GraphModule) -> GraphSize:
-    import operator
-
     nodes = ops_ = effects = calls = 0
     for node in gm.graph.nodes:
         nodes += 1
@@ -236,6 +101,24 @@ def _leaf_names(fn: Any, spec: Any, n_leaves: int) -> list[str]:
     return leaf_names(target, args, kwargs, nested="{base}[{rest}]")
 
 
+def _read_types(old: BodyInfo, new: BodyInfo) -> tuple[str, ...]:
+    """Type names of the values two bodies with the same key read differently (their guards)."""
+    if key_differences(old.key, new.key, old.key_labels, new.key_labels):
+        return ()
+    a, b = dict(old.guards), dict(new.guards)
+    types = []
+    for path in a.keys() & b.keys():
+        if a[path] == b[path]:
+            continue
+        for expect in (a[path], b[path]):
+            # expectations (effectfx.capture.reads): ("=", type, value), ("str", ...) for a label operand
+            if expect[0] == "str":
+                types.append("str")
+            elif expect[0] == "=":
+                types.append(expect[1].__name__ if isinstance(expect[1], type) else type(expect[2]).__name__)
+    return tuple(sorted(set(types)))
+
+
 def _body_reports(prog: Program | TrainingProgram,
                   sizes: dict[tuple[str, str], int]) -> tuple[RegionReport, ...]:
     halves = dict(_halves(prog))
@@ -251,8 +134,9 @@ def _body_reports(prog: Program | TrainingProgram,
 
     by_region: dict[str, list[BodyReport]] = {}
     seen: dict[str, list[BodyInfo]] = {}
-    for info in sorted(bodies, key=lambda b: _ident_order(b.identifier)):
+    for info in sorted(bodies, key=lambda b: ident_order(b.identifier)):
         earlier = seen.setdefault(info.region, [])
+        read_types: tuple[str, ...] = ()
         if not earlier:
             reason, diffs, compared = f"first body of region '{info.region}'", [], None
         else:
@@ -261,6 +145,7 @@ def _body_reports(prog: Program | TrainingProgram,
             assert best is not None
             other, diffs = best
             compared = other.identifier
+            read_types = _read_types(other, info)
             if not diffs:
                 diffs = ["same cache key as " + other.identifier + ": two different regions share the name "
                          f"'{info.region}' (defined twice?)"]
@@ -270,7 +155,7 @@ def _body_reports(prog: Program | TrainingProgram,
             info.identifier, info.region, info.calls, info.trace_seconds, reason, tuple(diffs), compared,
             effects(fwd, info.identifier), effects(bwd, info.identifier),
             sizes.get(("forward" if bwd is not None else "program", info.identifier)),
-            sizes.get(("backward", info.identifier)) if bwd is not None else None,
+            sizes.get(("backward", info.identifier)) if bwd is not None else None, read_types,
         )
         by_region.setdefault(info.region, []).append(report)
     # regions known to the program but without body info (e.g. a program made by an older capture)
@@ -363,6 +248,30 @@ def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
     return reports
 
 
+def _body_hint(new: Sequence[BodyReport], labels: Sequence[str]) -> str:
+    """What to do about a region's extra bodies, from what made them differ."""
+    differences = [d for b in new for d in b.differences]
+    read_types = {t for b in new for t in b.read_types}
+    if any(lbl.startswith("argument '") for lbl in labels):
+        return (" Each value of a non-tensor argument gets its own body; pass values that vary as tensors to "
+                "share one body.")
+    if any("requires_grad" in d for d in differences):
+        return " Calls whose inputs differ in requires_grad cannot share a body."
+    if any("shape" in d for d in differences):
+        return " Each input shape gets its own body."
+    if "str" in read_types:
+        return (" The bodies differ only in a string the region reads. A string it only passes to effectful "
+                "ops becomes an operand (one body serves every value); this body used the value otherwise "
+                "(a comparison, formatting, a method such as .upper(), a non-effect op), so each value got "
+                "its own body. Pass the string to the effect op as it is, or do the string work outside the "
+                f"region ({NOTES}).")
+    if read_types:
+        return (" The bodies differ only in a value the region's code reads from an attribute or global; "
+                "numbers and bools always specialize a body. Stop reading it inside the region, or pass it "
+                f"as a tensor, to share one body ({NOTES}).")
+    return ""
+
+
 def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None) -> list[str]:
     notes = []
     for p in programs:
@@ -371,16 +280,8 @@ def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None)
             if not new:
                 continue
             labels = sorted({d.split(":", 1)[0] for b in new for d in b.differences})
-            hint = ""
-            if any(lbl.startswith("argument '") for lbl in labels):
-                hint = (" Each value of a non-tensor argument gets its own body; pass values that vary as "
-                        "tensors to share one body.")
-            elif any("requires_grad" in d for b in new for d in b.differences):
-                hint = " Calls whose inputs differ in requires_grad cannot share a body."
-            elif any("shape" in d for b in new for d in b.differences):
-                hint = " Each input shape gets its own body."
             notes.append(f"{p.title}: region '{r.name}' got {len(r.bodies)} bodies for {r.calls} calls "
-                         f"(differing: {', '.join(labels)}).{hint}")
+                         f"(differing: {', '.join(labels)}).{_body_hint(new, labels)}")
         for r in p.regions:
             if r.calls == 1 and len(r.bodies) == 1:
                 notes.append(f"{p.title}: region '{r.name}' is called once; a region saves tracing only "
@@ -388,7 +289,7 @@ def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None)
     if any(g.effects for p in programs for g in p.graphs):
         # custom ops kept as effects only by their schema (effects.effect_of); the registry answers per op,
         # not per program, so these are the ones seen in this process
-        from .effects import implicit_effects
+        from ..effects import implicit_effects
 
         for qualname in implicit_effects():
             notes.append(f"op '{qualname}' is treated as an ordered effect (key 'ordered') because it "
@@ -423,7 +324,7 @@ def explain(fn_or_compiled: Any, *args: Any, **kwargs: Any) -> Explanation:
     if not callable(target):
         raise TypeError(f"efx.explain: expected a function, module, efx.compile'd callable or Program, "
                         f"got {type(target).__name__}")
-    from .capture.capture import capture
+    from ..capture.capture import capture
 
     prog = capture(target, *args, **kwargs)
     name = getattr(target, "__name__", type(target).__name__)
@@ -431,78 +332,4 @@ def explain(fn_or_compiled: Any, *args: Any, **kwargs: Any) -> Explanation:
     return Explanation(name, (report,), notes=tuple(_notes([report], None)))
 
 
-# -- rendering -------------------------------------------------------------------------------------------
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
-
-
-def _keys(keys: tuple[str, ...] | None) -> str:
-    if keys is None:
-        return "?"
-    return ", ".join(keys) if keys else "-"
-
-
-def _render_program(p: ProgramReport, lines: list[str], indent: str = "") -> None:
-    kind = "training program (forward + backward)" if p.training else "program"
-    lines.append(f"{indent}{p.title}: {kind}, {p.form} form")
-    if p.compile_seconds is not None:
-        lines.append(f"{indent}  compiled in {_ms(p.compile_seconds)}; why: {p.why}")
-    lines.append(f"{indent}  inputs: {p.inputs}")
-    if p.token_keys:
-        lines.append(f"{indent}  tokens at the root: {', '.join(p.token_keys)}")
-    n_bodies = sum(len(r.bodies) for r in p.regions)
-    n_calls = sum(r.calls for r in p.regions)
-    lines.append(f"{indent}  regions: {len(p.regions)} region(s), {n_bodies} body(ies), {n_calls} call(s)")
-    if not p.regions:
-        lines.append(f"{indent}    (none: mark a repeated function or module method with @efx.region)")
-    for r in p.regions:
-        effects = f"effects: {_keys(r.forward_effects)}"
-        if p.training:
-            effects = (f"forward effects: {_keys(r.forward_effects)}; "
-                       f"backward effects: {_keys(r.backward_effects)}")
-        lines.append(f"{indent}    {r.name}: {len(r.bodies)} body(ies), {r.calls} call(s); {effects}")
-        for b in r.bodies:
-            size = f"{b.forward_nodes if b.forward_nodes is not None else '?'} nodes"
-            eff = f"effects {_keys(b.forward_effects)}"
-            if p.training and b.backward_nodes is None:
-                size += " (no backward: its inputs need no grad)"
-            elif p.training:
-                size = f"forward {size} / backward {b.backward_nodes} nodes"
-                eff += f" | backward {_keys(b.backward_effects)}"
-            lines.append(f"{indent}      {b.identifier}: {b.calls} call(s), traced in "
-                         f"{_ms(b.trace_seconds)}, {size}, {eff}")
-            lines.append(f"{indent}        why: {b.reason}")
-    lines.append(f"{indent}  graphs (nodes / ops / effects / region calls):")
-    width = max((len(g.graph) for g in p.graphs), default=4)
-    for g in p.graphs:
-        half = f"{g.program:<8} " if p.training else ""
-        ident = f" '{g.identifier}'" if g.identifier else ""
-        lines.append(f"{indent}    {half}{g.graph:<{width}} {g.nodes:>5} / {g.ops:>4} / {g.effects:>3} / "
-                     f"{g.region_calls:>3}{ident}")
-    lines.append(f"{indent}  time per stage:")
-    for s in p.stages:
-        where = f" ({s.program})" if s.program else ""
-        lines.append(f"{indent}    {s.name + where:<28} {_ms(s.seconds):>10}")
-    lines.append(f"{indent}    {'total':<28} {_ms(p.total_seconds):>10}")
-
-
-def _render(e: Explanation) -> str:
-    lines = [f"effectfx explain: {e.target}"]
-    if e.compiled:
-        lines.append(f"  {e.compiles} compiled signature(s), {e.calls} call(s) so far")
-        if not e.programs:
-            lines.append("  nothing compiled yet: call it once, or pass example arguments to explain")
-    for p in e.programs:
-        lines.append("")
-        _render_program(p, lines)
-    if e.notes:
-        lines.append("")
-        lines.append("notes:")
-        lines.extend(f"  - {n}" for n in e.notes)
-    return "\n".join(lines)
-
-
-__all__ = ["BodyReport", "Explanation", "GraphSize", "ProgramReport", "RegionReport", "Stage", "explain",
-           "key_differences"]
+__all__ = ["explain"]
