@@ -32,13 +32,13 @@ from .errors import (
 )
 from .passes.dce import dead_code_elimination
 from .passes.remove_tokens import remove_effect_tokens
+from .passes.unlift import unlift_tokens
 from .regions import region
 from .runtime.compile import CompiledCallable, compile
 from .runtime.program import Program, TrainingProgram
 
 if TYPE_CHECKING:
     from .explanation import Explanation, explain
-    from .passes.unlift import unlift_tokens
     from .passes.verify import verify
     from .runtime.serialize import load
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 # spared here is time a user's first ``import effectfx`` does not pay.
 _LAZY = {
     "explain": "explanation", "Explanation": "explanation", "load": "runtime.serialize",
-    "unlift_tokens": "passes.unlift", "verify": "passes.verify",
+    "verify": "passes.verify",
 }
 
 

@@ -283,6 +283,10 @@ def test_browser_renders_regions_and_effects(chromium: str, user_file: Path, tmp
     assert dom.count('data-identifier="subgraph_0"') == 2 and dom.count('data-identifier="subgraph_1"') == 2
     assert '<span class="efx-region-name">region block</span>' in dom
     assert '<span class="efx-region-name">region inner</span>' in dom
+    # the user's names label the box and the call; effectfx's own (body, graph attribute) come after
+    assert '<span class="efx-internal">body subgraph_0, graph block_subgraph0</span>' in dom
+    assert re.search(r'<div class="efx-muted">block\(token(_\w+)?, ', dom)
+    assert "1 program \u00b7 " in dom
     # effect nodes labelled with their arguments, tagged with their key
     effects = re.findall(r'<li class="efx-node" data-kind="effect"[^>]*data-key="(\w+)"[^>]*>(.*?)</li>', dom)
     labels = {(key, re.sub(r"<[^>]+>", "", body)) for key, body in effects}
@@ -309,6 +313,7 @@ def test_browser_renders_training_program_unlifted(chromium: str, user_file: Pat
     write_page(capsys, f"{user_file}:train", page_path, form)
     dom = dump_dom(chromium, page_path, tmp_path / "profile")
     assert 'data-program="train (forward)"' in dom and 'data-program="train (backward)"' in dom
+    assert '<span class="efx-region-name">region block (backward)</span>' in dom
     assert re.search(r'<details class="efx-region" data-identifier="subgraph_0"', dom)
     assert re.search(r'data-kind="effect"[^>]*data-key="memory"', dom)
     if form == "unlifted":

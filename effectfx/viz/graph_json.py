@@ -272,7 +272,11 @@ class _GraphDescriber:
             self.out_tokens[node] = out_tokens
             d["subgraph"] = self.describe(sub, attr_node.target, identifier, sub_keys)
             d["args"] = [_fmt(a) for a in operands]
-            d["text"] = f"{attr_node.target}({', '.join(d['args'])})"
+            # the user's name for the region (``Block.forward``) rather than the subgraph attribute
+            # (``Block_forward_subgraph0``), which the page shows beside it
+            name = d["region"] or self.out[d["subgraph"]]["region"] or attr_node.target
+            backward = self.out[d["subgraph"]]["direction"] == "backward"
+            d["text"] = f"{name}{' backward' if backward else ''}({', '.join(d['args'])})"
             return
         key = effect_of(target) if isinstance(target, (torch._ops.OpOverload,)) else None
         d["args"] = [_fmt(a) for a in args] + [f"{k}={_fmt(v)}" for k, v in node.kwargs.items()]

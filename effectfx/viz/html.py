@@ -55,6 +55,7 @@ details.efx-region > summary { cursor: pointer; padding: 3px 6px; font-family: -
 details.efx-region[open] > summary { border-bottom: 1px solid var(--line); }
 .efx-region-body { padding: 4px 6px 6px 10px; }
 .efx-region-name { font-weight: 600; }
+.efx-internal { color: var(--muted); font-size: 11px; margin-left: 10px; }
 .efx-muted { color: var(--muted); }
 .efx-dim { opacity: 0.25; }
 details.efx-code pre { background: #fff; border: 1px solid var(--line); padding: 8px; overflow: auto;
@@ -96,9 +97,10 @@ _JS = r"""
       det.setAttribute("data-identifier", n.identifier || "");
       det.setAttribute("data-subgraph", n.subgraph || "");
       var sum = el("summary");
-      sum.appendChild(el("span", "efx-region-name", "region " + (n.region || sub.region || "?")));
-      sum.appendChild(el("span", "efx-muted", "  " + (n.identifier || "") + " \u00b7 " + sub.attr +
-                         " \u00b7 " + sub.nodes.length + " nodes \u00b7 "));
+      // the user's name first; effectfx's own names for the body and its graph come last, in small type
+      sum.appendChild(el("span", "efx-region-name", "region " + (n.region || sub.region || sub.attr) +
+                         (sub.direction === "backward" ? " (backward)" : "")));
+      sum.appendChild(el("span", "efx-muted", "  " + sub.nodes.length + " nodes \u00b7 "));
       if (n.key) sum.appendChild(badge(n.key));
       var effects = sub.effects || [];
       if (effects.length) {
@@ -110,6 +112,7 @@ _JS = r"""
       } else {
         sum.appendChild(el("span", "efx-muted", "no effects"));
       }
+      sum.appendChild(el("span", "efx-internal", "body " + (n.identifier || "?") + ", graph " + sub.attr));
       sum.appendChild(el("div", "efx-muted", n.text));
       det.appendChild(sum);
       var body = el("div", "efx-region-body");
@@ -229,8 +232,10 @@ _JS = r"""
 
   // header
   app.appendChild(el("h1", null, "effectfx \u00b7 " + data.title));
-  app.appendChild(el("div", "efx-sub", data.form + " form \u00b7 " + data.programs.length +
-                     " program(s) \u00b7 " + Object.keys(data.graphs).length + " graphs"));
+  var nPrograms = data.programs.length, nGraphs = Object.keys(data.graphs).length;
+  app.appendChild(el("div", "efx-sub", data.form + " form \u00b7 " + nPrograms +
+                     (nPrograms === 1 ? " program" : " programs") + " \u00b7 " + nGraphs +
+                     (nGraphs === 1 ? " graph" : " graphs")));
   var legend = el("div", "efx-legend");
   legend.appendChild(el("span", "efx-muted", data.keys.length ? "effect keys:" : "no effect keys"));
   data.keys.forEach(function (key) {
