@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ def transformer():  # noqa: ANN201 - the example module
 def test_transformer_example_matches_eager(transformer) -> None:  # noqa: ANN001
     result = transformer.compare(steps=2, n_layers=2)
     assert result.ok and result.logs_match and result.losses_match and result.params_match
+    assert result.eager.losses[1] < result.eager.losses[0] - 0.1  # it learns: the loss falls
     for log in result.effectfx.logs:
         forward = [name for prefix, name in log if prefix == "forward"]
         backward = [name for prefix, name in log if prefix == "backward"]
@@ -87,14 +89,37 @@ def test_demo_fails_when_logs_differ(transformer, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(transformer, "compare", lambda steps, n_layers: broken)
     assert demo.run_training_demo(1, 1) == 1
     out = capsys.readouterr().out
-    assert "effect logs identical: False" in out and "lengths differ" in out
+    assert "effect logs identical: False" in out
+    assert "first difference: entry 4: eager ('backward', 'block'), got nothing" in out
+
+
+def test_first_difference() -> None:
+    assert demo.first_difference([[1, 2], [3]], [[1, 2], [3]]) is None
+    assert demo.first_difference([[1, 2], [3]], [[1, 2], [4]]) == "step 1, entry 0: eager 3, got 4"
+    assert demo.first_difference([[1.5, 2.5]], [[]]) == "entry 0: eager 1.5, got nothing"
 
 
 def test_demo_command() -> None:
-    proc = run_script("-m", "effectfx", "demo", "--steps", "1", "--layers", "2")
+    proc = run_script("-m", "effectfx", "demo", "--steps", "2", "--layers", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "outputs equal: True   effect logs identical: True (2 effects)" in out  # the seed part
-    assert "training the transformer example" in out
-    assert "effect logs identical: True (9 effects)" in out and "parameters match: True" in out
-    assert "('forward', 'layer1')      ('forward', 'layer1')" in out
+    lines = out.splitlines()
+    # about a screenful, in a terminal's width
+    assert len(lines) <= 70 and max(len(line) for line in lines) <= 110, out
+    assert "Why effect tokens." in out
+    # 1. the smallest program
+    assert "outputs equal: True; effect logs identical: True (2 record_memory calls each)" in out
+    assert re.search(r"first capture in this process: \d+ ms, \d+ ms of it one-time: torch's fake tensors "
+                     r"import\ntorch._dynamo on first use. The capture itself took \d+ ms", out)
+    # 2. beside torch.compile: effectfx's row must be right; torch.compile's is measured, whatever it is
+    assert "torch.compile uses backend='aot_eager'" in out
+    assert re.search(r"  torch.compile, op unknown to torch +\d of 4", out)
+    assert re.search(r"  torch.compile, op in torch's private registry +\d of 4", out)
+    assert re.search(r"  effectfx \(efx.compile\) +4 of 4   equal eager's", out)
+    # 3. training: effect counts, no difference, and a falling loss
+    assert "effect logs identical: True (18 effects over 2 steps; first difference: none)" in out
+    assert "parameters match: True" in out
+    table = out.split("effects (forward + backward)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    losses = [(float(row.split()[1]), float(row.split()[2])) for row in table]
+    assert len(losses) == 2 and losses[0][0] == losses[0][1] and losses[1][0] < losses[0][0]
+    assert [row.split(None, 3)[3] for row in table] == ["7 + 2", "7 + 2"]
