@@ -1,25 +1,40 @@
 """lower_to_inductor: token-free form -> token-free form whose pure parts run as Inductor kernels (CPU).
 
-Contract: requires the token-free form; gives a new Program whose root graph calls, in order, compiled
-*segments* (``call_module`` of :class:`InductorSegment`) and the effectful ops between them, so every
-effect runs exactly where eager runs it and Inductor never sees one.  Raises
-:class:`~effectfx.errors.BackendError` for what cannot go to Inductor rather than running it wrongly.
+Contract: requires the token-free form; gives a new Program computing the same values with the same effects
+in the same order, in which every graph -- the root and each region body, forward and backward -- calls
+compiled *segments* (``call_module`` of :class:`InductorSegment`) between the nodes that must run in
+Python: effects, region calls, random ops.  Regions stay regions: a body shared by N call sites is lowered
+once, its segments compiled once, and every call site runs the compiled body (Note [Region identity]).
+Inductor never sees an effect, so effects run exactly where eager runs them, whatever their keys.
 
 How (see Note [Effect tokens] for why order needs care):
-  1. Regions are inlined (Inductor gets one flat graph; the effects of every call site stay in place).
-  2. Each effectful node (the registry decides) is a barrier; effect ``k`` runs after segment ``k``.  A pure
-     node goes to the earliest segment in which all its inputs exist: ``seg(n) = max(avail(input))`` with
-     ``avail`` 0 for graph inputs, ``seg(p)`` for a pure producer and ``k + 1`` for effect ``k``'s results.
-     Pure work may move earlier (it is pure); effects never move.
-  3. Every non-empty segment is decomposed to core aten (Inductor's decomposition table, via ``make_fx``
-     on fake tensors) and compiled by ``torch._inductor.compile_fx.compile_fx_inner`` on example
-     inputs built from the capture's tensor metadata.  TrainingPrograms are lowered half by half: their
-     forward and backward graphs are already plain aten graphs (Note [Joint trace]).
+  1. Per graph, the *Python nodes* (:func:`runs_in_python`: effects, ``invoke_subgraph``, random and
+     mutating ops, anything Inductor cannot take) keep their order; Python node ``k`` runs after segment
+     ``k``.  A pure node may go to any segment between the first in which all its inputs exist and the
+     last before its first reader; :func:`_fewest_segments` picks the fewest segments.  Pure work moves
+     (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
+     is therefore one segment.
+  2. Each segment is decomposed to core aten (Inductor's decomposition table, ``make_fx`` on fake tensors)
+     and compiled by ``torch._inductor.compile_fx.compile_fx_inner`` on example inputs built from the
+     capture's tensor metadata.  Compiled segments are cached for the process by their code and input
+     metadata (:data:`SEGMENTS`), so a body is compiled once however many call sites, programs or input
+     signatures share it; across processes Inductor's own FX graph cache makes the compile a load.
+  3. A segment Inductor cannot compile runs its aten graph un-compiled (the default backend's ops),
+     with an :class:`InductorFallbackWarning` naming the region: never a wrong result.
+
+Why not torch's own lowering of ``invoke_subgraph`` (one ``compile_fx_inner`` per root graph, each body
+lowered once inside it): measured on the benchmark stack (benchmarks/README.md, "Inductor backend") it
+compiles in the same time and runs no faster, but it needs every effect inside Inductor (registered in
+torch's effect registry, all keys collapsed onto one chain), a body is re-lowered for every new root
+graph, and one failure loses the whole program.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,186 +42,272 @@ import torch.fx as fx
 
 from .. import ops
 from ..effects import effect_of
-from ..errors import BackendError
-from ..graphs import graph_module
+from ..errors import BackendError, EffectfxWarning
+from ..graphs import Graph, graph_module
+from ..passes.direct_calls import DirectOpCodeGen
 from ..runtime.program import Program
 
 
-class InductorSegment(torch.nn.Module):
-    """One compiled pure segment: ``forward(*tensors) -> tuple`` of the values later steps read."""
+class InductorFallbackWarning(EffectfxWarning):
+    """A pure segment Inductor could not compile runs un-compiled (correct, slower)."""
 
-    def __init__(self, source: fx.GraphModule, compiled: Any, strides: list[tuple[int, ...]]) -> None:
+
+Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+def _meta(t: torch.Tensor) -> Meta:
+    device = getattr(t, "fake_device", None) or t.device
+    return tuple(t.shape), tuple(t.stride()), t.dtype, device
+
+
+def _example(meta: Meta) -> torch.Tensor:
+    shape, stride, dtype, device = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+
+
+class InductorSegment(torch.nn.Module):
+    """One pure segment: ``forward(*tensors) -> tuple`` of the values later nodes read.
+
+    ``compiled`` is Inductor's callable, or None when the segment runs its aten graph (``source``)."""
+
+    def __init__(self, source: fx.GraphModule, compiled: Any, inputs: tuple[Meta, ...],
+                 reason: str | None = None) -> None:
         super().__init__()
-        object.__setattr__(self, "source", source)  # the aten graph it was compiled from (not a submodule)
+        object.__setattr__(self, "source", source)  # the aten graph (not a submodule: printed apart)
         self.compiled = compiled
-        self.strides = strides  # compiled code asserts its inputs' strides (e.g. an expanded tangent)
+        self.reason = reason  # why it runs un-compiled, if it does
+        self.inputs = inputs
+        # compiled code asserts its inputs' strides, except in dimensions of size 1 (checked at runtime)
+        self.checks = [(i, tuple((d, s) for d, (n, s) in enumerate(zip(m[0], m[1])) if n > 1))
+                       for i, m in enumerate(inputs)]
 
     def forward(self, *args: torch.Tensor) -> tuple:
+        if self.compiled is None:
+            return tuple(self.source(*args))
         inputs = list(args)
-        for i, (t, stride) in enumerate(zip(inputs, self.strides)):
-            if t.stride() != stride:
-                inputs[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-        return tuple(self.compiled(inputs))
+        for i, dims in self.checks:
+            stride = args[i].stride()
+            if any(stride[d] != s for d, s in dims):  # another layout than traced (an expanded tangent)
+                t, (_, expected, _, _) = args[i], self.inputs[i]
+                inputs[i] = torch.empty_strided(t.shape, expected, dtype=t.dtype, device=t.device).copy_(t)
+        return tuple(self.compiled(inputs))  # boxed convention: Inductor clears `inputs`
 
 
-def inline_regions(gm: fx.GraphModule, constants: dict[str, Any] | None = None) -> fx.Graph:
-    """A flat copy of a token-free graph: every ``invoke_subgraph`` replaced by its body, recursively.
-    Program constants that are not subgraphs (a ProcessGroup) stay ``get_attr`` nodes, named in
-    ``constants`` (name -> object)."""
-    graph = fx.Graph()
-    constants = {} if constants is None else constants
-    names: dict[int, fx.Node] = {}
-
-    def emit(owner: fx.GraphModule, inputs: list[Any] | None) -> list[Any]:
-        env: dict[fx.Node, Any] = {}
-        placeholders = iter(inputs) if inputs is not None else None
-        for node in owner.graph.nodes:
-            if node.op == "placeholder":
-                if placeholders is None:
-                    env[node] = graph.node_copy(node)
-                else:
-                    env[node] = next(placeholders)
-            elif node.op == "get_attr":
-                value = getattr(owner, node.target)
-                if isinstance(value, fx.GraphModule):
-                    env[node] = value
-                else:  # written into generated code, it would be its repr: keep it an attribute
-                    if id(value) not in names:
-                        name = f"_constant{len(constants)}"
-                        constants[name] = value
-                        names[id(value)] = graph.get_attr(name)
-                    env[node] = names[id(value)]
-            elif node.op == "output":
-                return [fx.map_arg(o, lambda n: env[n]) for o in node.args[0]]
-            elif node.target is ops.invoke_subgraph:
-                body, _identifier, *operands = node.args
-                env[node] = emit(env[body], [fx.map_arg(o, lambda n: env[n]) for o in operands])
-            elif node.target is operator.getitem and isinstance(env.get(node.args[0]), list):
-                env[node] = env[node.args[0]][node.args[1]]
-            elif node.op == "call_function" and node.target in (ops.with_effects, ops.make_token,
-                                                                ops.sink_tokens):
-                raise BackendError("Inductor lowering needs the token-free form; run remove_effect_tokens.")
-            elif node.op == "call_function":
-                env[node] = graph.node_copy(node, lambda n: env[n])
-            else:
-                raise BackendError(f"cannot lower node {node.format_node()} ({node.op}) to Inductor.")
-        raise BackendError("graph without output")
-
-    graph.output(tuple(emit(gm, None)))
-    return graph
+# -- the process-wide cache of compiled segments ---------------------------------------------------------
+@dataclass
+class CacheStats:
+    compiles: int = 0  # segments handed to Inductor
+    hits: int = 0  # segments found compiled (another call site, body, program or signature)
+    fallbacks: int = 0  # segments run un-compiled
 
 
-def _example(node: fx.Node) -> torch.Tensor:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        raise BackendError(
-            f"{node.format_node()} passes a {type(val).__name__} between an effect and Inductor code; only "
-            "tensors can cross a segment boundary. Use the default backend for this program."
-        )
-    device = getattr(val, "fake_device", None) or val.device
-    return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=device).zero_()
+SEGMENTS: dict[tuple, tuple[Any, str | None]] = {}  # (code, input metadata) -> (compiled or None, reason)
+STATS = CacheStats()
+_LOCK = threading.Lock()  # one Inductor compile at a time (Inductor's state is global)
 
 
-def _is_effect(node: fx.Node) -> bool:
-    return node.op == "call_function" and effect_of(node.target) is not None
+def clear_cache() -> None:
+    """Forget every compiled segment (Inductor's on-disk cache is untouched)."""
+    with _LOCK:
+        SEGMENTS.clear()
 
 
-def lower_graph(gm: fx.GraphModule, name: str) -> fx.GraphModule:
-    """Split a token-free graph into Inductor segments and effects (see the module docstring)."""
-    constants: dict[str, Any] = {}
-    flat = inline_regions(gm, constants)
-    nodes = [n for n in flat.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    avail: dict[fx.Node, int] = {n: 0 for n in flat.nodes if n.op in ("placeholder", "get_attr")}
-    segment_of: dict[fx.Node, int] = {}
-    effects: list[fx.Node] = []
-    effect_index: dict[fx.Node, int] = {}
-    for node in nodes:
-        if _is_effect(node):
-            effect_index[node] = len(effects)
-            effects.append(node)
-            avail[node] = len(effects)
-        elif node.target is operator.getitem and node.args[0] in effect_index:
-            effect_index[node] = effect_index[node.args[0]]  # runs with its effect, in Python
-            avail[node] = avail[node.args[0]]
-        else:
-            seg = max((avail[i] for i in node.all_input_nodes), default=0)
-            segment_of[node] = avail[node] = seg
+def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    new = fx.Graph()
-    holder = torch.nn.Module()
-    env: dict[fx.Node, Any] = {}
-    for node in flat.nodes:
-        if node.op == "placeholder":
-            env[node] = new.node_copy(node)
-        elif node.op == "get_attr":
-            setattr(holder, node.target, constants[node.target])
-            env[node] = new.node_copy(node)
-    output = next(n for n in flat.nodes if n.op == "output")
-    for seg in range(len(effects) + 1):
-        members = [n for n in nodes if segment_of.get(n) == seg]
-        if members:
-            _emit_segment(new, holder, env, members, f"segment_{seg}", name)
-        if seg < len(effects):
-            for node in [effects[seg], *[n for n in nodes if effect_index.get(n) == seg
-                                         and n is not effects[seg]]]:
-                env[node] = new.node_copy(node, lambda n: env[n])
-    new.output(fx.map_arg(output.args[0], lambda n: env[n]))
-    return graph_module(holder, new, f"Inductor{type(gm).__name__}")
-
-
-def _emit_segment(new: fx.Graph, holder: torch.nn.Module, env: dict[fx.Node, Any], members: list[fx.Node],
-                  attr: str, name: str) -> None:
-    inside = set(members)
-    inputs: list[fx.Node] = []
-    for node in members:
-        for i in node.all_input_nodes:
-            if i.op == "get_attr":
-                raise BackendError(
-                    f"{node.format_node()} in {name!r} takes the program constant {i.target} (a "
-                    "ProcessGroup or torchbind object), which Inductor code cannot take. Use the default "
-                    "backend for this program."
-                )
-            if i not in inside and i not in inputs:
-                inputs.append(i)
-    outputs = [n for n in members if any(u not in inside for u in n.users)]
-    if not outputs:
-        return  # nothing outside reads it: pure dead code
-    graph = fx.Graph()
-    local: dict[fx.Node, fx.Node] = {}
-    for i in inputs:
-        local[i] = graph.placeholder(i.name)
-        local[i].meta = dict(i.meta)
-    for node in members:
-        local[node] = graph.node_copy(node, lambda n: local[n])
-    graph.output(tuple(local[o] for o in outputs))
-    source = fx.GraphModule(torch.nn.Module(), graph, attr)
+    examples = [_example(m) for m in inputs]
     try:
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        examples = [_example(i) for i in inputs]
         with torch.no_grad():  # Inductor lowers core aten: decompose first (as aot_autograd would)
             decomposed = make_fx(source, decomposition_table=select_decomp_table(), tracing_mode="fake")(
                 *examples)
-            compiled = compile_fx_inner(decomposed, examples)
-    except BackendError:
-        raise
-    except Exception as e:
-        raise BackendError(
-            f"Inductor could not compile {attr} of {name!r} ({len(members)} nodes): {type(e).__name__}: {e}\n"
-            "This program cannot go to Inductor; use efx.compile(fn) (the default backend) instead."
-        ) from e
-    setattr(holder, attr, InductorSegment(source, compiled, [tuple(e.stride()) for e in examples]))
-    call = new.call_module(attr, tuple(env[i] for i in inputs))
-    for k, out in enumerate(outputs):
-        env[out] = new.call_function(operator.getitem, (call, k))
-        env[out].meta = dict(out.meta)
+            output = next(iter(decomposed.graph.find_nodes(op="output")))
+            # every output is read by another graph: keep eager's strides (no padding), as torch's own
+            # invoke_subgraph_inductor_compile does for the same reason
+            output.meta["user_visible_output_idxs"] = [
+                i for i, o in enumerate(output.args[0]) if isinstance(o, fx.Node)]
+            STATS.compiles += 1
+            return compile_fx_inner(decomposed, examples), None
+    except Exception as e:  # any Inductor failure: run the aten graph instead
+        STATS.fallbacks += 1
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def compiled_segment(source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> InductorSegment:
+    """The segment ``source`` (canonical names, see ``_Lowering.segment``), compiled once per process."""
+    key = (source.code, inputs)
+    with _LOCK:
+        found = SEGMENTS.get(key)
+        if found is None:
+            found = SEGMENTS[key] = _compile(source, inputs)
+        else:
+            STATS.hits += 1
+    compiled, reason = found
+    if compiled is None:
+        warnings.warn(f"Inductor could not compile a segment of {where} ({len(source.graph.nodes)} nodes); "
+                      f"it runs un-compiled. {reason}", InductorFallbackWarning, stacklevel=2)
+    return InductorSegment(source, compiled, inputs, reason)
+
+
+# -- splitting graphs ------------------------------------------------------------------------------------
+_RANDOM = torch.Tag.nondeterministic_seeded
+
+
+def runs_in_python(node: fx.Node) -> bool:
+    """Whether ``node`` runs in Python, in program order, instead of inside a segment: effects, region
+    calls, random ops (eager's generator, in eager's order), mutating ops, non-aten calls, ops reading a
+    program constant (a ProcessGroup) and ops whose result is not tensors."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return runs_in_python(node.args[0]) if isinstance(node.args[0], fx.Node) else True
+    if not isinstance(target, torch._ops.OpOverload) or effect_of(target) is not None:
+        return True
+    if _RANDOM in target.tags or target._schema.is_mutable:
+        return True
+    if any(i.op == "get_attr" for i in node.all_input_nodes):
+        return True
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return not all(isinstance(v, torch.Tensor) for v in vals)
+
+
+def _fewest_segments(earliest: dict[fx.Node, int], python: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each pure node's segment, using as few segments as the order allows: every compile costs seconds.
+
+    A pure node may run in any segment from ``earliest`` (its inputs exist) to ``latest`` (before the first
+    Python node or segment reading it).  Choosing the fewest segments is interval stabbing: take intervals
+    by ``latest``, and open a segment at ``latest`` whenever none chosen so far lies inside the interval;
+    then every node goes to the first chosen segment at or after its ``earliest``.  Producers stay at or
+    before their consumers, since both bounds grow along every edge."""
+    position = {node: k for k, node in enumerate(python)}  # Python node k runs after segment k
+    latest: dict[fx.Node, int] = {}
+    for node in reversed(list(earliest)):
+        bound = len(python)
+        for user in node.users:
+            if user in latest:
+                bound = min(bound, latest[user])
+            elif user in position:
+                bound = min(bound, position[user])
+        if node.users:  # unread pure nodes are dead code: no segment computes them
+            latest[node] = bound
+    chosen: list[int] = []
+    for node in sorted(latest, key=latest.__getitem__):
+        if not any(earliest[node] <= c <= latest[node] for c in chosen[-1:]):
+            chosen.append(latest[node])
+    return {node: next(c for c in chosen if c >= earliest[node]) for node in earliest if node in latest}
+
+
+class _Lowering:
+    """Lowers one Program's graphs; each body object once (shared bodies stay shared)."""
+
+    def __init__(self, prog: Program) -> None:
+        self.prog = prog
+        self.bodies: dict[int, fx.GraphModule] = {}
+
+    def body(self, gm: fx.GraphModule, identifier: str) -> fx.GraphModule:
+        if id(gm) not in self.bodies:
+            entry = self.prog.regions.get(identifier)
+            region = entry.name if entry is not None else identifier
+            self.bodies[id(gm)] = self.graph(gm, f"region {region!r} ({identifier}) of {self.prog.name!r}")
+        return self.bodies[id(gm)]
+
+    def graph(self, gm: fx.GraphModule, where: str) -> fx.GraphModule:
+        nodes = list(gm.graph.nodes)
+        identifiers = {n.args[0]: n.args[1] for n in nodes if n.target is ops.invoke_subgraph}
+        avail: dict[fx.Node, int] = {}
+        segment_of: dict[fx.Node, int] = {}
+        python: list[fx.Node] = []  # in program order
+        for node in nodes:
+            if node.op in ("placeholder", "get_attr"):
+                avail[node] = 0
+            elif node.op == "output":
+                continue
+            elif node.target in (ops.with_effects, ops.make_token, ops.sink_tokens):
+                raise BackendError(f"lower_to_inductor needs the token-free form ({where} has "
+                                   f"{node.format_node()}); run remove_effect_tokens first.")
+            elif node.op != "call_function":
+                raise BackendError(f"cannot lower {node.format_node()} ({node.op}) in {where} to Inductor.")
+            elif runs_in_python(node):
+                python.append(node)
+                avail[node] = len(python)
+            else:
+                segment_of[node] = avail[node] = max((avail[i] for i in node.all_input_nodes), default=0)
+
+        segment_of = _fewest_segments(segment_of, python)
+
+        new = Graph()
+        new.set_codegen(DirectOpCodeGen())  # effect ops called without OpOverload.__call__
+        holder = torch.nn.Module()
+        env: dict[fx.Node, Any] = {}
+        members: list[list[fx.Node]] = [[] for _ in range(len(python) + 1)]
+        for node, seg in segment_of.items():
+            members[seg].append(node)
+        for node in nodes:
+            if node.op == "placeholder":
+                env[node] = new.node_copy(node)
+            elif node.op == "get_attr":
+                value = getattr(gm, node.target)
+                if isinstance(value, fx.GraphModule):
+                    value = self.body(value, identifiers.get(node, node.target))
+                setattr(holder, node.target, value)
+                env[node] = new.node_copy(node)
+        emitted = 0
+        for seg, group in enumerate(members):
+            if group and self.segment(new, holder, env, group, f"segment_{emitted}", where):
+                emitted += 1
+            if seg < len(python):
+                node = python[seg]
+                env[node] = new.node_copy(node, lambda n: env[n])
+        output = next(n for n in nodes if n.op == "output")
+        new.output(fx.map_arg(output.args[0], lambda n: env[n]))
+        lowered = graph_module(holder, new, f"Inductor{type(gm).__name__}")
+        lowered.meta.update(gm.meta)
+        return lowered
+
+    def segment(self, new: fx.Graph, holder: torch.nn.Module, env: dict[fx.Node, Any], members: list[fx.Node],
+                attr: str, where: str) -> bool:
+        inside = set(members)
+        inputs: list[fx.Node] = []
+        for node in members:
+            for i in node.all_input_nodes:
+                if i not in inside and i not in inputs:
+                    inputs.append(i)
+        outputs = [n for n in members if any(u not in inside for u in n.users)]
+        if not outputs:
+            return False  # nothing outside reads it: pure dead code
+        # canonical names (created, not copied): the same code is the same cache key wherever it occurs
+        graph = fx.Graph()
+        local: dict[fx.Node, fx.Node] = {}
+        for k, i in enumerate(inputs):
+            local[i] = graph.placeholder(f"in{k}")
+            local[i].meta = dict(i.meta)
+        for node in members:
+            local[node] = graph.create_node(node.op, node.target, fx.map_arg(node.args, lambda n: local[n]),
+                                            fx.map_arg(node.kwargs, lambda n: local[n]))
+            local[node].meta = dict(node.meta)
+        graph.output(tuple(local[o] for o in outputs))
+        source = fx.GraphModule(torch.nn.Module(), graph, "Segment")
+        metas = []
+        for i in inputs:
+            val = i.meta.get("val")
+            if not isinstance(val, torch.Tensor):  # runs_in_python keeps non-tensors out; be sure
+                raise BackendError(f"{i.format_node()} in {where} passes a {type(val).__name__} into an "
+                                   "Inductor segment; use the default backend for this program.")
+            metas.append(_meta(val))
+        setattr(holder, attr, compiled_segment(source, tuple(metas), where))
+        call = new.call_module(attr, tuple(env[i] for i in inputs))
+        for k, out in enumerate(outputs):
+            env[out] = new.call_function(operator.getitem, (call, k))
+            env[out].meta = dict(out.meta)
+        return True
 
 
 def lower_to_inductor(prog: Program) -> Program:
-    """Token-free -> token-free with Inductor segments between the effects (module docstring)."""
+    """Token-free -> token-free with compiled segments in every graph (module docstring)."""
     if prog.form != "token-free":
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")
-    return prog.replace(graph_module=lower_graph(prog.graph_module, prog.name))
+    return prog.replace(graph_module=_Lowering(prog).graph(prog.graph_module, repr(prog.name)))
