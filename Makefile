@@ -1,5 +1,8 @@
 # `make demo` and `make test` set everything up (a virtualenv in .venv) and run.
 PYTHON ?= python3
+# pip index for torch: empty = pip's configured index (on Linux, PyPI's torch is the CUDA build);
+# `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU-only build
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -8,7 +11,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "torch==2.13.0" numpy
+	$(BIN)/pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q numpy
 	$(BIN)/pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 

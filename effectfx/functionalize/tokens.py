@@ -4,9 +4,9 @@ Contract: requires the captured form; gives a new Program in which every effectf
 ``with_effects`` node, every graph with effects takes and returns one token per key (sorted), and every
 region call threads the caller's current tokens.  The input Program is not modified.
 
-Effect discovery follows the seed: a body is functionalized with no tokens of its own; a token appears
-the first time the body needs one, and the keys whose token differs after the body from before it are
-the region's effects, recorded in the region cache under its identifier.
+Effect discovery (Note [Region identity], last paragraph): a body is functionalized with no tokens of its
+own; a token appears the first time the body needs one, and the keys whose token differs after the body
+from before it are the region's effects, recorded in the region cache under its identifier.
 """
 
 from __future__ import annotations
