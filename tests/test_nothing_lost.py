@@ -96,6 +96,179 @@ def test_ops_that_return_or_mutate_are_not_implicit_effects() -> None:
     assert efx.effect_of("profiler::_record_function_exit._RecordFunction") is None  # torch's own: pure
 
 
+# -- 2. an effect op whose kernel is CompositeImplicitAutograd ----------------------------------------
+@torch.library.custom_op("efxlost::write", mutates_args=())
+def write(x: torch.Tensor, label: str) -> torch.Tensor:
+    """A lower-level op effectfx alone takes for pure (it returns a tensor); its write is the side effect."""
+    LOG.append(("write", label, round(float(x.detach().sum()), 4)))
+    return x.new_zeros(())
+
+
+write.register_fake(lambda x, label: x.new_empty(()))
+
+_cia = torch.library.Library("efxlost", "FRAGMENT")
+_cia.define("log(Tensor x, str label) -> Tensor")
+_cia.define("outer(Tensor x) -> Tensor")  # not an effect: its kernel calls efxlost::log
+_cia.define("peek(Tensor x, str label) -> Tensor")  # its kernel reads a value in Python
+_cia.define("tap(Tensor x) -> Tensor")  # its kernel returns its argument
+
+
+def _log_kernel(x, label):
+    torch.ops.efxlost.write(x, label)  # unused result: taken apart, the write would be dead code
+    return x.sin() * 2
+
+
+_cia.impl("log", _log_kernel, "CompositeImplicitAutograd")
+_cia.impl("outer", lambda x: torch.ops.efxlost.log(x + 1, "inner") * 3, "CompositeImplicitAutograd")
+_cia.impl("peek", lambda x, label: x * x.sum().item(), "CompositeImplicitAutograd")
+_cia.impl("tap", lambda x: x, "CompositeImplicitAutograd")
+for _name in ("log", "peek", "tap"):
+    efx.register_effect(f"efxlost::{_name}")
+
+
+def logs_twice(x):
+    y = torch.ops.efxlost.log(x, "a") + 1
+    return torch.ops.efxlost.log.default(y, "b")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_composite_effect_runs_at_run_time(grad: bool) -> None:
+    x = torch.randn(3, requires_grad=grad)
+    result = check_against_eager(logs_twice, x)  # outputs, gradients (eager's decomposition), effect log
+    assert [e[:2] for e in result.log] == [("write", "a"), ("write", "b")]
+
+
+def test_composite_effect_is_one_node() -> None:
+    prog = efx.capture(logs_twice, torch.randn(3))
+    assert prog.code() == textwrap.dedent("""\
+        def forward(self, token, x):
+            with_effects = effectfx.ops.with_effects(token, torch.ops.efxlost.log.default, x, 'a')
+            getitem = with_effects[0]
+            getitem_1 = with_effects[1]
+            add = torch.ops.aten.add.Tensor(getitem_1, 1)
+            with_effects_1 = effectfx.ops.with_effects(getitem, torch.ops.efxlost.log.default, add, 'b')
+            getitem_2 = with_effects_1[0]
+            getitem_3 = with_effects_1[1]
+            return (getitem_2, getitem_3)""")
+    training = efx.capture(logs_twice, torch.randn(3, requires_grad=True))
+    calls = [n.args[1] for n in training.forward.graph_module.graph.nodes if n.target is efx.ops.with_effects]
+    assert calls == [torch.ops.efxlost.log.default] * 2
+    backward = training.backward.graph_module.code
+    assert "with_effects" not in backward and "cos" in backward  # sin's derivative, from the kernel
+
+
+@efx.region
+def logged_block(x):
+    return torch.ops.efxlost.log(x, "block") * 3
+
+
+def three_blocks(x):
+    return logged_block(logged_block(logged_block(x)))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_composite_effect_in_a_region_called_three_times(grad: bool) -> None:
+    x = torch.randn(2, 3, requires_grad=grad)
+    result = check_against_eager(three_blocks, x)
+    assert [e[:2] for e in result.log] == [("write", "block")] * 3
+    prog = efx.capture(three_blocks, x)
+    forward = prog.forward if grad else prog
+    assert [(e.name, e.traces) for e in forward.regions.values()] == [("logged_block", 1)]
+    (body,) = forward.subgraphs().values()
+    assert body.code.count("effectfx_ops_with_effects(") == 1 and "efxlost.log.default" in body.code
+
+
+class Named(torch.nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.lin = torch.nn.Linear(3, 3)
+
+    @efx.region
+    def forward(self, x):
+        return torch.ops.efxlost.log(self.lin(x), self.name) + x
+
+
+def test_composite_effect_label_is_an_operand() -> None:
+    layers = torch.nn.Sequential(*(Named(f"layer{i}") for i in range(3))).requires_grad_(False)
+    result = check_against_eager(layers, torch.randn(2, 3))
+    assert [e[1] for e in result.log] == ["layer0", "layer1", "layer2"]
+    assert [e.traces for e in efx.capture(layers, torch.randn(2, 3)).regions.values()] == [1]
+
+
+def test_composite_effect_survives_save_and_load(tmp_path: Path) -> None:
+    x = torch.randn(3)
+    with recording() as eager:
+        expected = logs_twice(x)
+    efx.remove_effect_tokens(efx.capture(logs_twice, x)).save(tmp_path / "p.zip")
+    with recording() as log:
+        got = efx.load(tmp_path / "p.zip")(x)
+    assert torch.allclose(got, expected) and log == eager
+
+
+def test_composite_effect_inside_another_composite_op() -> None:
+    def nested(x):
+        return torch.ops.efxlost.outer(x)
+
+    result = check_against_eager(nested, torch.randn(3, requires_grad=True))
+    assert [e[:2] for e in result.log] == [("write", "inner")]
+    calls = [n.args[1] for n in efx.capture(nested, torch.randn(3)).graph_module.graph.nodes
+             if n.target is efx.ops.with_effects]
+    assert calls == [torch.ops.efxlost.log.default]
+
+
+def test_composite_effect_kernel_prints_at_run_time(capsys: pytest.CaptureFixture) -> None:
+    lib = torch.library.Library("efxlostp", "FRAGMENT")
+    lib.define("show(Tensor x, str label) -> Tensor")
+    lib.impl("show", lambda x, label: print(f"[{label}]", x) or x + 1, "CompositeImplicitAutograd")
+    handle = efx.register_effect("efxlostp::show")
+    try:
+        out = check_prints(capsys, lambda x: torch.ops.efxlostp.show(x, "s") * 2, torch.randn(3))
+        assert out.startswith("[s] tensor(")
+    finally:
+        handle.remove()
+        lib._destroy()
+
+
+def test_composite_effect_refusals_name_the_op_and_line() -> None:
+    with pytest.raises(efx.DataDependentControlFlowError, match="efxlost.peek") as info:
+        efx.capture(lambda x: torch.ops.efxlost.peek(x, "p"), torch.randn(3))  # <- peek
+    assert line_of("peek") in str(info.value) and "fake tensors" in str(info.value)
+    with pytest.raises(efx.UnsupportedOperatorError, match="efxlost.tap.*aliases") as info:
+        efx.capture(lambda x: torch.ops.efxlost.tap(x) + 1, torch.randn(3))  # <- tap
+    assert line_of("tap") in str(info.value)
+
+
+def test_training_through_a_composite_effect_that_cannot_be_replayed() -> None:
+    lib = torch.library.Library("efxlostr", "FRAGMENT")
+    lib.define("noisy(Tensor x) -> Tensor")
+    lib.define("bumped(Tensor x) -> Tensor")
+    lib.impl("noisy", lambda x: x * torch.rand_like(x), "CompositeImplicitAutograd")
+    lib.impl("bumped", lambda x: torch.ops.efxtest.bump(x, "k") * 2, "CompositeImplicitAutograd")
+    handles = [efx.register_effect("efxlostr::noisy"), efx.register_effect("efxlostr::bumped")]
+    try:
+        x = torch.randn(3, requires_grad=True)
+        with pytest.raises(efx.UnsupportedOperatorError, match="random") as info:
+            efx.capture(lambda x: torch.ops.efxlostr.noisy(x), x)  # <- noisy
+        assert "efxlostr.noisy" in str(info.value) and line_of("noisy") in str(info.value)
+        with pytest.raises(efx.UnsupportedOperatorError, match="efxtest.bump") as info:
+            efx.capture(lambda x: torch.ops.efxlostr.bumped(x), x)  # <- bumped
+        assert "efxlostr.bumped" in str(info.value) and line_of("bumped") in str(info.value)
+        # without gradients both are one node, run at run time
+        torch.manual_seed(0)
+        with recording() as eager:
+            expected = torch.ops.efxlostr.noisy(x.detach()), torch.ops.efxlostr.bumped(x.detach())
+        prog = efx.capture(lambda x: (torch.ops.efxlostr.noisy(x), torch.ops.efxlostr.bumped(x)), x.detach())
+        torch.manual_seed(0)
+        with recording() as log:
+            got = prog(x.detach())
+        assert log == eager and all(torch.allclose(a, b) for a, b in zip(got, expected))
+    finally:
+        for handle in handles:
+            handle.remove()
+        lib._destroy()
+
+
 # -- 3. Python print inside captured code -------------------------------------------------------------
 _PRINT_WIRED = "capture_prints" in inspect.getsource(_active)
 _PRINT, _REPR = builtins.print, torch.Tensor.__repr__

@@ -298,3 +298,30 @@ def capture_prints(tracer: Any) -> Iterator[None]:
     finally:
         stack.pop()
         _uninstall()
+
+
+class _Silent:
+    """A capture that prints nothing: see :func:`silenced`."""
+
+    def print(self, args: tuple, sep: Any, end: Any, file: Any, flush: Any) -> None:
+        return None
+
+    def mark(self, t: torch.Tensor, kind: str, spec: str = "") -> str:
+        return "<tensor>"
+
+
+@contextlib.contextmanager
+def silenced() -> Iterator[None]:
+    """``print`` on this thread does nothing: for code that runs on fakes only to learn shapes (the kernel
+    of a CompositeImplicitAutograd effect op, ``effectfx.capture.composite``), whose prints happen when the
+    op runs."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    _install()
+    stack.append(_Silent())
+    try:
+        yield
+    finally:
+        stack.pop()
+        _uninstall()

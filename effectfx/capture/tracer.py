@@ -26,6 +26,7 @@ from ..errors import (
     MissingFakeImplError,
     UnsupportedMutationError,
 )
+from .composite import CompositeEffects
 from .graph_builder import GraphBuilder
 from .labels import LabelMode, has_sentinel, resolve_labels
 from .meta import TensorMeta
@@ -124,6 +125,7 @@ class Tracer(TorchDispatchMode):
         self.candidates: dict[Any, list[Any]] = {}  # (region function, key) -> bodies, first traced first
         self.watcher = Watcher()
         self.label_mode = LabelMode()
+        self.composite = CompositeEffects(self)  # effect ops with a CompositeImplicitAutograd kernel
         self.trace_counts: dict[str, int] = {}
         self.region_calls: dict[str, int] = {}
         self._identifiers = 0
@@ -186,6 +188,17 @@ class Tracer(TorchDispatchMode):
         return f"region {names!r}" if names else "the captured function"
 
     # -- dispatch --------------------------------------------------------------------------------
+    def __enter__(self) -> Tracer:
+        # CIA effect ops decompose above this mode: a torch-function mode sees them first (composite.py)
+        self.composite.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.composite.__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _DEVICE and type(args[0]) is FakeTensor:
             return args[0].fake_device  # autograd asks ~10 times per region call site: answer at once
@@ -201,6 +214,9 @@ class Tracer(TorchDispatchMode):
             )
         args, kwargs = map_structure(self.to_fake, (args, kwargs))
         key = effect_of(func)
+        composite = self.composite
+        if composite.kernels and composite.skips(func, key):  # inside the kernel of a CIA effect op
+            return self._run_fake(func, args, kwargs, key)
         builder = self.builder
         node_args, node_kwargs = map_structure(builder.node_of, (args, kwargs))
         if self.label_mode.sentinels and has_sentinel((args, kwargs)):
@@ -211,7 +227,7 @@ class Tracer(TorchDispatchMode):
         target = func
         if mutated:
             target = self._functionalize(func, mutated, key)
-        out = self._run_fake(func, args, kwargs, key)
+        out = composite.take() if composite.pending is not None else self._run_fake(func, args, kwargs, key)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if key is None and not out_tensors:
             return out  # metadata queries (prim.device, sym_size, ...): constants in a static trace
