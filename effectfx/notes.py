@@ -82,4 +82,27 @@ are traced the same way (recursively), giving each body a forward and a backward
 site a ``RegionCall`` autograd function emits the forward call, and its ``backward`` emits the backward
 call when the enclosing trace runs its backward phase.  Forward effects therefore land in forward graphs
 only, and effects raised by autograd formulas land in backward graphs, in the engine's order.
+
+Note [Mutations]
+~~~~~~~~~~~~~~~~
+Graphs are functional: an in-place op is recorded as a functional op whose result is the new value of
+what it wrote (``add_`` -> ``add``; ops writing several arguments -> torch's ``*_functional`` variant, their
+results then the new values; BatchNorm's ``native_batch_norm`` in training, which updates its running
+statistics without saying so in its schema -> ``_native_batch_norm_legit_functional``).  The written tensor
+is then *rebound* to that result, so every later read in the graph -- an effect op's argument included --
+sees the new value, in eager's order.  ``effectfx.capture.mutation`` says which op records what.
+
+When the written tensor is an input of the graph (an argument, a module's buffer, a lifted tensor):
+  * the graph returns its new value after the tensor outputs, as torch.export returns buffers to mutate:
+    ``(*tokens, *inputs) -> (*tokens, *outputs, *new values of mutated inputs[, *saved])``; the
+    ``TracedGraph.mutated`` / ``Program.mutations`` list the inputs in that order;
+  * a region's call site writes the new values into the *caller's* tensors -- the call site's own buffer,
+    so one body serves every BatchNorm -- by rebinding them (or an in-place copy the caller's trace
+    records, when a view, a dtype or autograd is involved); a caller whose input was written is then
+    itself a graph with a mutated input, up to the root;
+  * the root's caller (``Program.write_back``) copies the new values into the user's tensors after the
+    graph ran, as eager's in-place ops left them.
+An input that requires grad is a leaf of the trace's autograd; user code gets a clone with history when the
+caller's tensor is not a leaf, so in-place updates of intermediates differentiate as in eager.  Updating a
+leaf that requires grad is refused, as eager refuses it; so is updating an operand another operand aliases.
 """

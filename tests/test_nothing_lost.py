@@ -585,8 +585,12 @@ class Counter(torch.nn.Module):
         self.lin = torch.nn.Linear(2, 2)
 
     def forward(self, x):
-        self.calls.add_(1)  # <- buffer
+        self.calls.normal_()  # <- buffer
         return self.lin(x)
+
+
+# in-place ops on inputs and buffers are supported (Note [Mutations], tests/test_mutation.py); one with no
+# functional form (``normal_``) on an input is refused, and the message names the user's tensor
 
 
 def test_in_place_on_a_buffer_names_the_buffer() -> None:
@@ -602,7 +606,7 @@ class Outer(torch.nn.Module):
 
     def forward(self, x):
         with torch.no_grad():
-            self.inner[0].weight.mul_(2)  # <- param
+            self.inner[0].weight.normal_()  # <- param
         return self.inner(x)
 
 
@@ -615,7 +619,7 @@ def test_in_place_on_a_nested_parameter_names_its_path() -> None:
 def test_in_place_on_an_argument_names_the_argument() -> None:
     @efx.region
     def bumps(scores):
-        scores.add_(1)  # <- argument
+        scores.normal_()  # <- argument
         return scores
 
     with pytest.raises(efx.UnsupportedMutationError, match="argument 'scores'") as info:

@@ -75,7 +75,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
                 if isinstance(leaf, torch.Tensor):
                     fake = tracer.to_fake(leaf)
                     scope.add_input(names[i], OperandSource("arg", i), fake)
-                    new_leaves[i] = fake
+                    new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
         traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root",
                              target)
@@ -100,7 +100,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         traced.forward, signature, lifted, traced.out_spec, tuple(traced.out_layout),
         regions=_regions_of(traced.forward, tracer), history=record,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
-        bodies=bodies, guards=tuple(reads.guards.items()),
+        bodies=bodies, guards=tuple(reads.guards.items()), mutations=traced.mutated,
     )
     if traced.backward is None:
         return forward

@@ -74,10 +74,17 @@ class TracedGraph:
     tangent_mask: tuple[bool, ...] = ()
     grad_mask: tuple[bool, ...] = ()
     grad_meta: list[TensorMeta | None] = field(default_factory=list)  # per backward output
+    # inputs written in place, by index: their new values are the last tensor outputs (Note [Mutations])
+    mutated: tuple[int, ...] = ()
 
     @property
     def n_outs(self) -> int:
         return len(self.out_meta)
+
+    @property
+    def n_user_outs(self) -> int:
+        """Tensor outputs the traced code returned (the rest are new values of mutated inputs)."""
+        return len(self.out_meta) - len(self.mutated)
 
     def passthrough(self) -> dict[int, int]:
         """{tensor output k: input j} for outputs that are an input returned unchanged."""

@@ -183,12 +183,44 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         outs = list(RegionCall.apply(tracer, body, *operands))
     else:
         outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
+    if traced.mutated:
+        _write_operands(tracer, region, traced, operands, outs[traced.n_user_outs:])
     # a body that returns an operand unchanged hands the caller that very tensor, as eager does (under
     # no_grad too, where a fresh result would wrongly stop requiring grad)
     for k, j in traced.passthrough().items():
         outs[k] = operands[j]
     out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
     return tree_unflatten(out_leaves, traced.out_spec)
+
+
+def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operands: list[Any],
+                    new_values: list[Any]) -> None:
+    """The caller's tensors get the new values of the operands the body wrote (Note [Mutations]): an
+    in-place copy in the caller's graph, which the caller's own trace records like any other write."""
+    def base(t: Any) -> Any:
+        return tracer.base_of.get(id(tracer.to_fake(t)), tracer.to_fake(t))
+
+    for j, new in zip(traced.mutated, new_values):
+        operand = operands[j]
+        problem = None
+        if operand.requires_grad and operand.is_leaf and torch.is_grad_enabled():
+            problem = "a leaf tensor that requires grad (eager refuses this too)"
+        elif any(k != j and isinstance(o, torch.Tensor) and base(o) is base(operand)
+                 for k, o in enumerate(operands)):
+            problem = "a tensor that another of its operands aliases (the body would read a stale copy)"
+        if problem:
+            raise UnsupportedMutationError(
+                f"region {region.name!r} (defined at {definition(region.fn)}) updates its operand "
+                f"{traced.forward.graph.find_nodes(op='placeholder')[j].target!r} in place, and the caller "
+                f"passes {problem}, at {user_location()}.\nPass a clone, or update the tensor outside the "
+                "region."
+            )
+        fake = tracer.to_fake(operand)
+        if (not new.requires_grad and id(fake) not in tracer.base_of and not tracer.views_of.get(id(fake))
+                and TensorMeta.of(fake).without_grad() == TensorMeta.of(new)):
+            tracer.builder.bind(fake, tracer.builder.node_of(new))  # a buffer's new statistics, say
+        else:
+            operand.copy_(new)  # recorded like the user's own copy_: views, dtypes and autograd as in eager
 
 
 def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,
@@ -210,7 +242,7 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
         if isinstance(leaf, torch.Tensor):
             fake = tracer.new_fake(TensorMeta.of(leaf))
             scope.add_input(names[i], OperandSource("arg", i), fake)
-            new_leaves[i] = fake
+            new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         elif isinstance(leaf, str):  # a string argument: an operand while only effects use it
             new_leaves[i] = labels.make((("leaf", i),), raw(leaf), parent=leaf)
         else:

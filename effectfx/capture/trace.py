@@ -15,7 +15,13 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ..autograd.partition import partition_joint
-from ..errors import CaptureError, EffectfxError, FreeTensorError, UnsupportedReturnError
+from ..errors import (
+    CaptureError,
+    EffectfxError,
+    FreeTensorError,
+    UnsupportedMutationError,
+    UnsupportedReturnError,
+)
 from ..passes.dce import eliminate_dead_code
 from .graph_builder import GraphBuilder
 from .labels import BodyLabels
@@ -48,6 +54,8 @@ class Scope:
         self.param_names = param_names or {}
         self.sources: list[OperandSource] = []
         self.values: list[Any] = []  # autograd-level value of each input (a str for a label)
+        self.nodes: list[fx.Node] = []  # the placeholder of each input
+        self.visible: dict[int, torch.Tensor] = {}  # input -> the tensor user code holds, when not its value
         self.builder = GraphBuilder(name, self.lift)
         # a body's labels (effectfx.capture.labels); the root bakes every string in
         self.labels = BodyLabels(self.add_label) if region is not None else None
@@ -56,9 +64,35 @@ class Scope:
         self.builder.labels = self.labels  # type: ignore[attr-defined]
 
     def add_input(self, name: str, source: OperandSource, fake: torch.Tensor) -> None:
-        self.builder.placeholder(placeholder_name(name), fake)
+        self.nodes.append(self.builder.placeholder(placeholder_name(name), fake))
         self.sources.append(source)
         self.values.append(fake)
+
+    def writable(self, fake: torch.Tensor, nonleaf: bool) -> torch.Tensor:
+        """The tensor user code gets for the input ``fake``.  A non-leaf the caller passes may be updated
+        in place, as in eager; the input itself is a leaf of the trace's autograd (gradients are taken
+        with respect to it), so user code gets an alias with history (Note [Mutations])."""
+        if not (nonleaf and fake.requires_grad and torch.is_grad_enabled()):
+            return fake
+        with self.tracer.paused():
+            alias = fake.clone()
+        self.builder.bind(alias, self.nodes[-1])
+        self.visible[len(self.values) - 1] = alias
+        return alias
+
+    def written(self) -> list[tuple[fx.Node, torch.Tensor]]:
+        """``(placeholder, tensor holding the new value)`` for each input written in place."""
+        found = []
+        for i, (value, node) in enumerate(zip(self.values, self.nodes)):
+            if not isinstance(value, torch.Tensor):
+                continue
+            tensor = self.visible.get(i)
+            if tensor is None:
+                tensor = self.tracer.to_fake(value)
+            # rebound to a computed value (one tensor may be two inputs: compare kinds, not nodes)
+            if self.builder.values.get(id(tensor), node).op != "placeholder":
+                found.append((node, tensor))
+        return found
 
     def add_label(self, label: Any, path: tuple) -> fx.Node:
         """A string operand: the call site passes the value found at ``path`` (Note [Region identity])."""
@@ -67,6 +101,7 @@ class Scope:
         node.meta["val"] = raw(label)
         self.sources.append(OperandSource("label", path=path))
         self.values.append(label)
+        self.nodes.append(node)
         return node
 
     def finish_labels(self, graph: fx.Graph, layout: list[tuple[str, Any]]) -> None:
@@ -74,7 +109,8 @@ class Scope:
             return
         for label in self.labels.finish(graph, [v for kind, v in layout if kind == "const"]):
             i = next(i for i, v in enumerate(self.values) if v is label)
-            del self.values[i], self.sources[i]
+            del self.values[i], self.sources[i], self.nodes[i]
+            self.visible = {j - (j > i): t for j, t in self.visible.items()}
 
     def lift(self, fake: torch.Tensor) -> fx.Node:
         real = self.tracer.real_of.get(id(fake))
@@ -96,10 +132,11 @@ class Scope:
         else:
             source = OperandSource("lifted", tensor=real)
             name = self.param_names.get(id(real), "lifted")
-        self.builder.placeholder(placeholder_name(name), fake)
+        node = self.builder.placeholder(placeholder_name(name), fake)
         self.sources.append(source)
         self.values.append(real)
-        return self.builder.values[id(fake)]
+        self.nodes.append(node)
+        return node
 
 
 def _meta(value: Any) -> TensorMeta | None:
@@ -146,6 +183,12 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             # the message names the user's line: drop the dispatcher's frames (the cause stays)
             raise trim_traceback(exc) from exc.__cause__
         except RuntimeError as exc:
+            if "leaf Variable that requires grad" in str(exc):
+                raise UnsupportedMutationError(
+                    f"{where} updates a leaf tensor that requires grad in place at {user_location(exc)}; "
+                    "eager PyTorch refuses this too (Note [Mutations]). Update a clone, or do it under "
+                    "torch.no_grad()."
+                ) from None
             refused = unsupported_operator(exc, where, mark)
             if refused is not None:
                 raise refused from None
@@ -158,6 +201,9 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             ) from None  # the message quotes torch's
         spec, layout, tensors = _flatten_outputs(out, where, fn)
         layout = [(kind, raw(v)) for kind, v in layout]  # a returned label is used; finish_labels sees it
+        # inputs written in place: their new values follow the outputs (Note [Mutations])
+        written = scope.written()
+        tensors.extend(t for _, t in written)
         out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]
         out_meta = [TensorMeta.of(t) for t in tensors]
         tangent_mask = tuple(t.requires_grad for t in tensors)
@@ -167,7 +213,8 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             input_meta = [_meta(v) for v in scope.values]
             eliminate_dead_code(gm.graph)
             gm.recompile()  # lazy: only marks the code stale
-            return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta)
+            return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta,
+                               mutated=tuple(scope.nodes.index(n) for n, _ in written))
 
         builder.phase = "backward"
         diff_outs = [t for t in tensors if t.requires_grad]
@@ -195,4 +242,5 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         saved_meta=[TensorMeta.of(n.meta["val"]) for n in part.saved],
         tangent_mask=tangent_mask, grad_mask=grad_mask,
         grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],
+        mutated=tuple(scope.nodes.index(n) for n, _ in written),
     )

@@ -30,6 +30,7 @@ from .composite import CompositeEffects
 from .graph_builder import GraphBuilder
 from .labels import LabelMode, has_sentinel, resolve_labels
 from .meta import TensorMeta
+from .mutation import Mutation, mutation_of
 from .reads import Watcher
 from .source import user_location
 
@@ -65,25 +66,6 @@ def map_structure(fn: Any, value: Any) -> Any:
     if isinstance(value, dict):
         return {k: map_structure(fn, v) for k, v in value.items()}
     return fn(value)
-
-
-def _mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    mutated = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            mutated.append((arg.name, value))
-    return mutated
-
-
-def _functional_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    name = func._schema.name.split("::")[1]
-    if func.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    return getattr(packet, func._overloadname, None) if packet is not None else None
 
 
 def _fake_maker(mode: FakeTensorMode, device: torch.device) -> Callable[[torch.Tensor, bool], torch.Tensor]:
@@ -223,10 +205,9 @@ class Tracer(TorchDispatchMode):
             (args, kwargs), (node_args, node_kwargs) = resolve_labels(
                 self.label_mode, getattr(builder, "labels", None), key is not None, (args, kwargs),
                 (node_args, node_kwargs))
-        mutated = _mutated_args(func, args, kwargs) if func._schema.is_mutable else []
-        target = func
-        if mutated:
-            target = self._functionalize(func, mutated, key)
+        mutation = mutation_of(func, args, kwargs)
+        target = func if mutation is None else self._functionalize(func, mutation, key)
+        mutated = list(mutation.written) if mutation is not None else []
         out = composite.take() if composite.pending is not None else self._run_fake(func, args, kwargs, key)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if key is None and not out_tensors:
@@ -235,9 +216,13 @@ class Tracer(TorchDispatchMode):
         if key is not None:
             node.meta["effect_key"] = key
             node.meta["location"] = user_location()
-        self._bind_outputs(out, node, mutated)
+        if mutation is not None and mutation.appended and target is not func:
+            self._bind_appended(out, node, mutation)
+        else:
+            self._bind_outputs(out, node, mutated)
         if mutated:
-            self._write_back(mutated[0][1], node)
+            for tensor_written in (t for _, t in mutated):
+                self._write_back(tensor_written, builder.values[id(tensor_written)])
         elif getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
             self._record_views(args[0], out_tensors)
         return out
@@ -271,35 +256,48 @@ class Tracer(TorchDispatchMode):
                 builder.bind(view, alias)
                 alias.meta["val"] = view
 
-    def _functionalize(self, func: Any, mutated: list[tuple[str, Any]], key: str | None) -> Any:
-        functional = _functional_variant(func)
-        for name, tensor in mutated:
+    def _functionalize(self, func: Any, mutation: Mutation, key: str | None) -> Any:
+        """The op to record for an in-place call (Note [Mutations]), or an UnsupportedMutationError."""
+        for name, tensor in mutation.written:
             node = self.builder.values.get(id(tensor))
             root = self.base_of.get(id(tensor), tensor)
             root_node = self.builder.values.get(id(root))
             aliased = root is not tensor or bool(self.views_of.get(id(tensor)))
+            an_input = any(n is not None and n.op == "placeholder" for n in (node, root_node))
             problem = None
             if key is not None:
                 problem = "an effectful op that mutates its arguments"
-            elif any(n is None or n.op == "placeholder" for n in (node, root_node)):
-                ph = next((n for n in (node, root_node) if n is not None and n.op == "placeholder"), None)
-                what = self.builder.describe_input(ph) if ph is not None else "a tensor"
-                problem = f"an in-place op ({func}) on {what}, an input of the graph (its argument {name!r})"
-            elif (aliased and functional is None) or (tensor._is_view() and root is tensor):
-                # no functional twin to write back with, or a view whose base we never saw
+            elif mutation.target is None and an_input:
+                ph = next(n for n in (node, root_node) if n is not None and n.op == "placeholder")
+                problem = (f"an in-place op ({func}) with no functional form on "
+                           f"{self.builder.describe_input(ph)} (its argument {name!r})")
+            elif (aliased and mutation.target is None) or (tensor._is_view() and root is tensor):
+                # no functional form to write back with, or a view whose base we never saw
                 problem = f"an in-place op ({func}) on a tensor that has views"
-            elif len(mutated) != 1 or name != func._schema.arguments[0].name:
+            elif mutation.target is None and (len(mutation.written) != 1
+                                              or name != func._schema.arguments[0].name):
                 problem = f"an op ({func}) that writes into its argument {name!r}"
             if problem:
                 raise UnsupportedMutationError(
                     f"{self.where()} contains {problem} at {user_location()}.\n"
-                    "effectfx functionalizes in-place ops on intermediates and their views, not on "
-                    "inputs. Use the out-of-place op (e.g. x = x + y instead of x.add_(y)) or clone() "
-                    "the input first."
+                    "effectfx records in-place ops as functional ones (inputs and buffers are written back "
+                    "after the call). Use the out-of-place op (e.g. x = x + y instead of x.add_(y)), or "
+                    "clone() the tensor first."
                 )
-        # no functional twin (bernoulli_ in dropout, say): the in-place op stays, on a fresh intermediate
+        # no functional form (bernoulli_ in dropout, say): the in-place op stays, on a fresh intermediate
         # nothing else aliases, so running it in graph order is indistinguishable from a functional op
-        return functional or func
+        return mutation.target or func
+
+    def _bind_appended(self, out: Any, node: fx.Node, mutation: Mutation) -> None:
+        """A ``*_functional`` node returns the op's results, then each written tensor's new value."""
+        builder = self.builder
+        results = list(out) if isinstance(out, (tuple, list)) else [out]
+        values = [*results, *(t for _, t in mutation.written)]
+        for i, item in enumerate(values):
+            if isinstance(item, torch.Tensor):
+                item_node = builder.call(operator.getitem, (node, i))
+                builder.bind(item, item_node)
+        node.meta["val"] = tuple(values)
 
     def _run_fake(self, func: Any, args: tuple, kwargs: dict, key: str | None) -> Any:
         try:

@@ -236,8 +236,8 @@ class CompiledCallable:
         inputs = [leaves[i] for i in entry.tensor_positions]
         inputs.extend(lifted)
         if isinstance(program, TrainingProgram):
-            return forward.unflatten(list(program.run_autograd(inputs)))
-        return forward.unflatten(forward.run_flat(inputs))
+            return forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
+        return forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
 
     # -- inspection ------------------------------------------------------------------------------
     def programs(self) -> list[Program | TrainingProgram]:

@@ -17,7 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .. import ops
 from ..capture.meta import TensorMeta
-from ..errors import SignatureMismatchError
+from ..errors import SignatureMismatchError, UnsupportedMutationError
 from .printing import program_text, subgraphs
 
 
@@ -101,6 +101,9 @@ class Program:
     name: str = "program"
     bodies: tuple[BodyInfo, ...] = ()  # every body traced by the capture, in order of first trace
     guards: tuple = ()  # what the capture read from Python objects, by identity: a compiled program's guards
+    # inputs (by position in run_flat's list) written in place: their new values follow the user's tensor
+    # outputs, and the caller writes them back (Note [Mutations])
+    mutations: tuple[int, ...] = ()
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -158,11 +161,35 @@ class Program:
         leaves = [tensor_outs[v] if kind == "tensor" else v for kind, v in self.out_layout]
         return tree_unflatten(leaves, self.out_spec)
 
+    def write_back(self, inputs: list[Any], outs: list[Any]) -> list[Any]:
+        """Write the new values of mutated inputs into the caller's tensors, as eager's in-place ops did;
+        ``outs`` holds the user's outputs then those values.  Returns the user's outputs."""
+        if not self.mutations:
+            return outs
+        n_user = len(outs) - len(self.mutations)
+        for i, new in zip(self.mutations, outs[n_user:]):
+            target = inputs[i]
+            if new.requires_grad and torch.is_grad_enabled():
+                if target.is_leaf and target.requires_grad:
+                    raise UnsupportedMutationError(
+                        f"{self.name} updates a leaf tensor that requires grad in place (input {i}, "
+                        f"{TensorMeta.of(target).short()}); eager PyTorch refuses this too. Pass a clone, or "
+                        "update it under torch.no_grad()."
+                    )
+                target.copy_(new)  # recorded by autograd: gradients reach the value before the update
+            else:
+                with torch.no_grad():
+                    target.copy_(new)
+        # an output that is the updated input (``x.add_(1); return x``) is the caller's tensor, as in eager
+        written = {id(new): inputs[i] for i, new in zip(self.mutations, outs[n_user:])}
+        return [written.get(id(o), o) for o in outs[:n_user]]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs = self.run_flat(self.flat_inputs(args, kwargs))
+        inputs = self.flat_inputs(args, kwargs)
+        outs = self.run_flat(inputs)
         if self.n_extra_outputs:
             outs = outs[: len(outs) - self.n_extra_outputs]
-        return self.unflatten(outs)
+        return self.unflatten(self.write_back(inputs, outs))
 
 
 class _RunTraining(torch.autograd.Function):
@@ -239,5 +266,6 @@ class TrainingProgram:
         return _RunTraining.apply(self, *inputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs = self.run_autograd(self.forward.flat_inputs(args, kwargs))
-        return self.forward.unflatten(list(outs))
+        inputs = self.forward.flat_inputs(args, kwargs)
+        outs = self.run_autograd(inputs)
+        return self.forward.unflatten(self.forward.write_back(inputs, list(outs)))

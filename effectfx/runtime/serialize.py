@@ -9,7 +9,8 @@ Format (version 1): a zip file with two members.
      "forward": PROGRAM, "backward": PROGRAM,              # kind "training"
      "tangent_mask": [bool], "grad_mask": [bool]}
 
-    PROGRAM = {"name", "form": "token-free", "n_extra_outputs", "history": [[pass, seconds]],
+    PROGRAM = {"name", "form": "token-free", "n_extra_outputs", "mutations": [input index],
+               "history": [[pass, seconds]],
                "signature": {"spec": TREESPEC, "tensors": [[leaf index, META]],
                              "constants": [[index, VALUE]]},
                "out_spec": TREESPEC, "out_layout": [[kind, VALUE]],
@@ -98,6 +99,7 @@ class _Saver:
         root = self.graph(prog.graph_module)
         return {
             "name": prog.name, "form": prog.form, "n_extra_outputs": prog.n_extra_outputs,
+            "mutations": list(prog.mutations),
             "history": [[r.name, r.seconds] for r in prog.history],
             "signature": {
                 "spec": _dumps_spec(prog.signature.spec),
@@ -326,7 +328,7 @@ class _Loader:
                                         frozenset(r["effects"]) if r["effects"] is not None else None)
                      for ident, r in p["regions"].items()},
             history=(*(PassRecord(name, s) for name, s in p["history"]), PassRecord("load", 0.0)),
-            n_extra_outputs=p["n_extra_outputs"], name=p["name"],
+            n_extra_outputs=p["n_extra_outputs"], name=p["name"], mutations=tuple(p.get("mutations", ())),
         )
 
 

@@ -127,3 +127,40 @@ def check_against_eager(fn: Callable[..., Any], *args: Any, forms: tuple[str, ..
         for i, result in enumerate(run_program(lambda f, a, k: efx.compile(f), fn, args, kwargs, calls)):
             compare(f"compile call {i + 1}", eager, result)
     return eager
+
+
+def check_mutations_against_eager(fn: Callable[..., Any], make_args: Callable[[], tuple],
+                                  state: tuple[torch.Tensor, ...] = (), calls: int = 2) -> None:
+    """For code that updates its arguments or ``state`` (buffers, tensors it closes over) in place
+    (Note [Mutations]): eager, then every form and ``efx.compile``, each from the same starting ``state``
+    and fresh ``make_args()``, ``calls`` times; outputs, gradients, effect logs, and the arguments and
+    ``state`` after every call must equal eager's.  Capturing must change nothing."""
+    start = [t.detach().clone() for t in state]
+
+    def reset() -> None:
+        with torch.no_grad():
+            for t, s in zip(state, start):
+                t.copy_(s)
+
+    def sequence(call: Callable[..., Any]) -> list[RunResult]:
+        results = []
+        for _ in range(calls):
+            args = make_args()
+            outs, grads, log = _run(lambda args=args: call(*args), _wrt(fn, args, {}))
+            after = [a.detach().clone() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+            results.append(RunResult([*outs, *after, *(t.detach().clone() for t in state)], grads, log, []))
+        return results
+
+    reset()
+    eager = sequence(fn)
+    builders: dict[str, Builder] = {**FORMS, "compile": lambda f, a, k: efx.compile(f)}
+    for name, build in builders.items():
+        reset()
+        with recording() as capture_log:
+            prog = build(fn, make_args(), {})
+        unchanged = all(torch.equal(t, s) for t, s in zip(state, start))
+        if capture_log or not unchanged:
+            raise EagerMismatch(f"[{name}] capture ran effects ({capture_log}) or changed the state")
+        for i, (want, got) in enumerate(zip(eager, sequence(prog))):
+            compare(f"{name} call {i + 1}", want, got)
+    reset()
