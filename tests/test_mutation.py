@@ -345,3 +345,24 @@ def test_transformers_resnet_trains_like_eager_with_residual_blocks_as_regions()
     # changed value and captures again, once
     assert compiled.stats.compiles == 2
     assert "problem_type" in str(efx.explain(compiled).programs[1].why_differences)
+
+
+@pytest.mark.slow  # Inductor compiles take tens of seconds on this machine
+def test_inductor_backend_writes_buffers_back() -> None:
+    torch.manual_seed(0)
+    model = NormStack(2)
+    eager = copy.deepcopy(model)
+    compiled = efx.compile(model, backend="inductor")
+    for step in range(2):
+        x = _images((16, 8))(step)
+        with recording() as got_log:
+            got = compiled(x)
+            got.sum().backward()
+        with recording() as want_log:
+            want = eager(x)
+            want.sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert got_log == want_log
+        want_state = _state(eager)
+        for name, t in _state(model).items():
+            torch.testing.assert_close(t, want_state[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
