@@ -23,6 +23,9 @@ from effectfx.backends import inductor
 from effectfx.testing import recording
 from effectfx.testing.differential import compare, run_eager, run_program
 
+# a segment falling back to un-compiled aten would still pass the comparisons: here it is an error
+pytestmark = pytest.mark.filterwarnings("error::effectfx.backends.inductor.InductorFallbackWarning")
+
 RTOL = ATOL = 1e-4  # Inductor reorders float arithmetic (fusions, decompositions)
 STEPS = 3
 

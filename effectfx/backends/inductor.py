@@ -62,7 +62,7 @@ def _meta(t: torch.Tensor) -> Meta:
 
 def _example(meta: Meta) -> torch.Tensor:
     shape, stride, dtype, device = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 class InductorSegment(torch.nn.Module):
@@ -113,13 +113,22 @@ def clear_cache() -> None:
 
 
 def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    examples = [_example(m) for m in inputs]
+    # Inductor's FX graph cache (what makes a second process start fast) reads the shape environment of
+    # the tracing context, and is bypassed without one: trace and compile under one fake mode that has
+    # one (shapes are static here), as aot_autograd would
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     try:
-        with torch.no_grad():  # Inductor lowers core aten: decompose first (as aot_autograd would)
+        with tracing(TracingContext(fake_mode)), torch.no_grad():
+            with fake_mode:
+                examples = [_example(m) for m in inputs]
+            # Inductor lowers core aten: decompose first (as aot_autograd would)
             decomposed = make_fx(source, decomposition_table=select_decomp_table(), tracing_mode="fake")(
                 *examples)
             output = next(iter(decomposed.graph.find_nodes(op="output")))
