@@ -246,3 +246,17 @@ def test_compile_of_detached_input() -> None:
     x = torch.randn(3, requires_grad=True)
     assert not efx.capture(lambda x: x.detach(), x)(x).requires_grad
     assert not efx.compile(lambda x: x.detach())(x).requires_grad
+def test_print_of_a_detached_input_under_compile(capsys: pytest.CaptureFixture[str]) -> None:
+    # found by the fuzzer (a region printing ``x0.detach()``): simplify_for_runtime dropped the detach, so
+    # the print op got the compiled function's input itself and showed ``requires_grad=True``
+    def f(x):
+        print(x.detach())
+        return x * 2
+
+    x = torch.ones(2, requires_grad=True)
+    f(x)
+    eager = capsys.readouterr().out
+    efx.compile(f)(x)
+    assert capsys.readouterr().out == eager == "tensor([1., 1.])\n"
+
+

@@ -7,7 +7,8 @@ by op (``RULES``):
 
 ========================  =====================================================================
 ``aten.detach(x)``         ``x``: without autograd recording, detach is the identity on values (kept
-                           where the result is returned: it must not alias an input)
+                           where something could tell: returned, it must not alias an input; passed to
+                           an effect, a region or a custom op, which may show ``requires_grad``)
 ``aten.t(aten.t(x))``      ``x``: the double transposes a joint trace leaves in backward formulas
 ========================  =====================================================================
 """
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..effects import node_effect_keys
 from ..runtime.program import Program
 from .dce import eliminate_dead_code
 from .direct_calls import DirectOpCodeGen
@@ -27,23 +29,32 @@ from .rewrite import GraphContext, GraphRewrite
 aten = torch.ops.aten
 
 
-def _reaches_output(node: fx.Node) -> bool:
+def _plain_aten(node: fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "aten" and not node_effect_keys(node))
+
+
+def _observed(node: fx.Node) -> bool:
+    """Whether anything could tell the detach is gone: only plain aten ops use the value, through detaches."""
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
         for user in n.users:
-            if user.op == "output":
+            if user.target is aten.detach.default:
+                if user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+            elif not _plain_aten(user):
                 return True
-            if user not in seen and user.target is aten.detach.default:
-                seen.add(user)
-                stack.append(user)
     return False
 
 
 def _drop_detach(ctx: GraphContext, node: fx.Node) -> Any:
-    # a detached value the graph returns must stay a separate tensor: dropping the detach could hand
-    # the caller its own input back (which requires grad) where eager returns a detached alias
-    if _reaches_output(node):
+    # the value of a graph input may require grad (the compiled function's own inputs and parameters):
+    # returned without its detach it would hand the caller its own input back, and an effect, a region
+    # or a custom op would see requires_grad=True (print shows it) where eager passes a detached alias
+    if _observed(node):
         return ctx.copy(node)
     return ctx.value(node.args[0], node)
 
