@@ -1,10 +1,12 @@
 """``effectfx fuzz``: differential fuzzing of generated programs against eager PyTorch.
 
 Generates ``--programs`` random programs (``effectfx.testing.generator``, driven by hypothesis with
-``--seed``), runs each in eager, through every form in ``effectfx.testing.differential.FORMS`` and
-through ``efx.compile`` with backward, and compares outputs, gradients and effect logs.  Prints a progress
-bar on stderr and a summary on stdout; on any failure, minimizes one program per kind of failure and
-saves it as a standalone reproducer in ``--out``, and exits 1.
+``--seed``) and runs each (``effectfx.testing.checking``) in eager, through every form in
+``effectfx.testing.differential.FORMS`` and through ``efx.compile`` with backward, comparing outputs,
+gradients and effect logs (what the program prints included); a program effectfx must refuse (a region
+changing its list argument) must be refused by every form.  Prints a progress bar on stderr and a summary
+on stdout; on any failure, minimizes one program per kind of failure and saves it as a standalone
+reproducer in ``--out``, and exits 1.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
     from ..testing import differential
-    from ..testing.generator import check_program, fails_like, programs, reproducer_source, shrink
+    from ..testing.checking import check_program, fails_like, reproducer_source, shrink
+    from ..testing.generator import programs
 
     forms = tuple(f for f in args.forms.split(",") if f) or None
     if forms is not None:

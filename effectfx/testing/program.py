@@ -1,0 +1,387 @@
+"""Generated programs as data (issue 5): the description, and the standalone Python source it prints as.
+
+A program is a plain data description (:class:`ProgramSpec`) that prints as standalone Python source
+(:meth:`ProgramSpec.source`) -- the same text is executed to build the callable, so a printed reproducer is
+exactly what ran.  A program is an ``nn.Module`` whose ``forward`` is the program body; its regions are
+``@efx.region`` methods, ``@efx.region`` functions taking the module, or plain ``@efx.region`` functions
+(which read closed-over constant tensors instead of parameters).  A region may also take a list of tensors
+``xs``, which it reads (``xs[-1]``, ``torch.stack(xs)``) or -- refused by effectfx, which says so --
+changes (``xs.append(v)``): :meth:`ProgramSpec.refusal` names the error such a program must raise.
+
+Every value has shape ``(B, D)``, so any op can feed any other.  How programs are drawn is
+``effectfx.testing.generator``; how they are run against eager and minimized is ``effectfx.testing.checking``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import linecache
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .effect_ops import EFFECT_KEYS
+
+MAX_DEPTH = 3  # region nesting depth (a region called from the root is at depth 1)
+
+# -- the ops a statement may use, as tables: name -> Python expression over ``a`` (and ``b``) ----------
+UNARY = {
+    "tanh": "torch.tanh({a})",
+    "sin": "torch.sin({a})",
+    "sigmoid": "torch.sigmoid({a})",
+    "relu": "torch.relu({a})",
+    "neg": "-{a}",
+    "half": "{a} * 0.5",
+    "square": "{a} * {a}",
+    "abs": "{a}.abs()",
+}
+BINARY = {
+    "add": "{a} + {b}",
+    "sub": "{a} - {b}",
+    "mul": "{a} * {b}",
+    "where": "torch.where({a} > {b}, {a}, {b})",
+}
+REDUCE = {
+    "center": "{a} - {a}.mean(-1, keepdim=True)",
+    "rownorm": "{a} * {a}.sum(-1, keepdim=True).tanh()",
+    "softmax": "{a}.softmax(-1)",
+    "amax": "{a} + {a}.amax(-1, keepdim=True)",
+    "colsum": "{a} + {a}.sum(0, keepdim=True)",
+    "logsumexp": "{a}.logsumexp(-1, keepdim=True) - {a}",
+}
+MATMUL = {
+    "matmul": "{a} @ {w}",
+    "linear": "torch.nn.functional.linear({a}, {w})",
+}
+# Python print, in the shapes people write it ({p}: the printed tensor, {label}: a string)
+PRINTS = {
+    "plain": 'print("{label}", {p})',
+    "fstring": 'print(f"{label}: {{{p}}}")',
+    "stats": 'print("{label}", {p}.sum(), tuple({p}.shape), sep=" | ")',
+    "format": 'print(f"{label} mean={{{p}.mean():.3f}}", end="!\\n")',
+    "stderr": 'print("{label}", {p}, file=sys.stderr, flush=True)',
+}
+# reading the list argument ``xs`` (of ``RegionSpec.list_len`` tensors), and changing it (refused)
+ITEMS = {"index": "xs[{j}]", "stack": "torch.stack(xs).sum(0)"}
+CHANGES = {"append": "xs.append({a})", "setitem": "xs[0] = {a} * 1.0"}  # always a new object
+# effect ops by key: (name, template, has output); "ordered" ones may appear in any program
+RECORD_OP = {key: "record_" + key.replace(":", "_") for key in EFFECT_KEYS}
+EFFECT_OPS: dict[str, list[tuple[str, str, bool]]] = {
+    "memory": [
+        ("record_memory", 'torch.ops.efxtest.record_memory("{label}")', False),
+        ("bump", 'torch.ops.efxtest.bump({a}, "{label}")', True),
+        ("scale", "torch.ops.efxtest.scale({a}, {s})", True),  # its effect happens in backward
+    ],
+    "stdout": [
+        ("record_stdout", 'torch.ops.efxtest.record_stdout("{label}")', False),
+        ("log_tensor", 'torch.ops.efxtest.log_tensor({a}, "{label}")', False),
+    ],
+    "collective:tp": [
+        ("record_collective_tp", 'torch.ops.efxtest.record_collective_tp("{label}")', False),
+    ],
+    "ordered": [  # effectfx.testing.fuzz_ops
+        ("ping", 'torch.ops.efxfuzz.ping({a}, "{label}")', False),  # never registered, returns nothing
+        ("logged", 'torch.ops.efxfuzz.logged({a}, "{label}")', True),  # CompositeImplicitAutograd kernel
+    ],
+}
+TENSOR_EFFECTS = frozenset({"bump", "scale", "log_tensor", "ping", "logged"})  # effect ops reading ``a``
+CALL_KINDS = ("call", "unused", "chain", "loop", "nograd")
+REGION_STYLES = ("method", "module_fn", "function")
+
+
+# -- the description ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stmt:
+    """One statement of a body.
+
+    kind: "unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar", "effect", "print", "item"
+    (reads the list argument), "change" (changes it), "blocks" or one of CALL_KINDS.  op: the table entry
+    (or region name for calls, or effect op name); args: variables read; outs: variables assigned; label:
+    effect or print label; value: scale factor / loop count / list index; weight: the matrix of a matmul
+    ("w0" a module parameter, "C0" a closed-over constant); items: the list passed to a region taking one.
+    """
+
+    kind: str
+    op: str
+    args: tuple[str, ...]
+    outs: tuple[str, ...] = ()
+    label: str = ""
+    value: float = 0.0
+    weight: str = ""
+    s: float | None = None  # calls of a region with a number parameter: the value passed as ``s=``
+    items: tuple[str, ...] = ()
+
+    def renamed(self, names: dict[str, str]) -> Stmt:
+        return dataclasses.replace(self, args=tuple(names.get(a, a) for a in self.args),
+                                   items=tuple(names.get(a, a) for a in self.items))
+
+
+@dataclass(frozen=True)
+class Body:
+    params: tuple[str, ...]
+    stmts: tuple[Stmt, ...]
+    returns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str
+    style: str  # "method" (self.rK), "module_fn" (rK(m, ...)) or "function" (rK(...))
+    body: Body
+    scalar: bool = False  # takes a number ``s`` too: each value passed is another cache key (body)
+    list_len: int = 0  # takes a list ``xs`` of this many tensors too (0: no list)
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    batch: int
+    width: int
+    keys: tuple[str, ...]
+    inputs: tuple[bool, ...]  # requires_grad of each input x0, x1, ...
+    weights: tuple[bool, ...]  # requires_grad of each module parameter w0, w1, ...
+    constants: int  # closed-over constant matrices C0, C1, ...
+    regions: tuple[RegionSpec, ...]
+    forward: Body
+    seed: int = 0
+    blocks: tuple[bool, ...] = ()  # requires_grad of each sub-module's weight (self.blocks[i].w)
+    block_body: Body | None = None  # the body of Block.step, an @efx.region method shared by the blocks
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def region(self, name: str) -> RegionSpec:
+        return next(r for r in self.regions if r.name == name)
+
+    def bodies(self) -> Iterator[tuple[str, Body]]:
+        yield "forward", self.forward
+        for r in self.regions:
+            yield r.name, r.body
+        if self.block_body is not None:
+            yield "step", self.block_body
+
+    def _calls(self, body: Body) -> Iterator[Stmt]:
+        return (s for s in body.stmts if s.kind in CALL_KINDS)
+
+    def depth(self) -> int:
+        """The deepest region nesting reached from forward (0: no region calls)."""
+
+        @_memo
+        def height(name: str) -> int:
+            return 1 + max((height(s.op) for s in self._calls(self.region(name).body)), default=0)
+
+        step = 1 + max((height(s.op) for s in self._calls(self.block_body)), default=0) \
+            if self.block_body is not None else 0
+        return max((height(s.op) if s.kind in CALL_KINDS else step for s in self.forward.stmts
+                    if s.kind in CALL_KINDS or s.kind == "blocks"), default=0)
+
+    def reached(self) -> set[str]:
+        """The regions a run calls (through forward and the blocks' shared method)."""
+        todo = [s.op for _, b in (("forward", self.forward), ("step", self.block_body)) if b is not None
+                for s in self._calls(b)]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(s.op for s in self._calls(self.region(name).body))
+        return seen
+
+    def refusal(self) -> str | None:
+        """The error effectfx must raise on this program instead of running it, if any: a region it calls
+        changes its list argument (the change would be lost, see ``check_containers_unchanged``)."""
+        reached = self.reached()
+        changes = any(s.kind == "change" for r in self.regions if r.name in reached for s in r.body.stmts)
+        return "UnsupportedMutationError" if changes else None
+
+    def features(self) -> frozenset[str]:
+        """What this program exercises (for coverage counts in the fuzz summary)."""
+        found = {f"keys={len(self.keys)}", f"depth={self.depth()}"}
+        if any(self.inputs) or any(self.weights):
+            found.add("requires_grad")
+        if len(set(self.inputs + self.weights)) == 2:
+            found.add("mixed requires_grad")
+        calls: dict[str, int] = {}
+        for _, body in self.bodies():
+            for s in body.stmts:
+                found.add(f"effect:{s.op}" if s.kind == "effect" else f"{s.kind}:{s.op}"
+                          if s.kind in ("print", "item", "change") else s.kind)
+                if s.kind in CALL_KINDS:
+                    calls[s.op] = calls.get(s.op, 0) + (int(s.value) if s.kind == "loop" else
+                                                        2 if s.kind == "chain" else 1)
+        if any(n > 1 for n in calls.values()):
+            found.add("region called many times")
+        found.update(f"region:{r.style}" for r in self.regions)
+        if any(r.list_len for r in self.regions if r.name in self.reached()):
+            found.add("list argument")
+        if self.refusal():
+            found.add("refused")
+        numbers = {r.name: {s.s for _, b in self.bodies() for s in b.stmts if s.op == r.name}
+                   for r in self.regions if r.scalar}
+        if any(len(v) > 1 for v in numbers.values()):
+            found.add("region called with different numbers")
+        if len(set(self.blocks)) == 2:
+            found.add("blocks with mixed requires_grad")
+        return frozenset(found)
+
+    def size(self) -> int:
+        return sum(len(b.stmts) + 1 for _, b in self.bodies()) + len(self.inputs) + len(self.weights) \
+            + len(self.blocks)
+
+    # -- source --------------------------------------------------------------------------------------
+    def source(self) -> str:
+        return _render(self)
+
+    def build(self, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
+        """Execute :meth:`source` in a fresh namespace: a new module class and new region objects every
+        time.  ``variant`` picks different input values of the same signature."""
+        return build_source(self.source(), variant, filename)
+
+
+def _memo(fn: Callable[[str], int]) -> Callable[[str], int]:
+    cache: dict[str, int] = {}
+
+    def wrapper(name: str) -> int:
+        if name not in cache:
+            cache[name] = fn(name)
+        return cache[name]
+
+    return wrapper
+
+
+_COUNTER = itertools.count()
+
+
+def build_source(src: str, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
+    filename = filename or f"<efxfuzz program {next(_COUNTER)}>"
+    # register the text so tracebacks and effectfx's "at file:line" messages show the generated code
+    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {"__name__": "efxfuzz_generated"}
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - the program under test
+    return namespace["make"](variant)
+
+
+# -- rendering -----------------------------------------------------------------------------------------
+def _call_expr(spec: ProgramSpec, s: Stmt, module_ref: str | None, args: tuple[str, ...]) -> str:
+    region = spec.region(s.op)
+    joined = ", ".join(args + ((f"[{', '.join(s.items)}]",) if region.list_len else ())
+                       + ((f"s={s.s!r}",) if s.s is not None else ()))
+    if region.style == "method":
+        return f"{module_ref}.{s.op}({joined})"
+    if region.style == "module_fn":
+        return f"{s.op}({module_ref}, {joined})"
+    return f"{s.op}({joined})"
+
+
+def _weight_expr(weight: str, module_ref: str | None) -> str:
+    return weight if weight.startswith("C") else f"{module_ref}.{weight}"  # C0, self.w0, m.w1, self.w
+
+
+def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: tuple[str, ...]) -> list[str]:
+    a = s.args[0] if s.args else ""
+    out = ", ".join(s.outs)
+    if s.kind == "unary":
+        return [f"{out} = {UNARY[s.op].format(a=a)}"]
+    if s.kind == "scalar":
+        return [f"{out} = {a} * s"]
+    if s.kind == "binary":
+        return [f"{out} = {BINARY[s.op].format(a=a, b=s.args[1])}"]
+    if s.kind == "reduce":
+        return [f"{out} = {REDUCE[s.op].format(a=a)}"]
+    if s.kind == "matmul":
+        return [f"{out} = {MATMUL[s.op].format(a=a, w=_weight_expr(s.weight, module_ref))}"]
+    if s.kind == "inplace":
+        return [f"{out} = {a} * 1.0", f"{out}.{s.op}_({s.value!r})"]
+    if s.kind == "detach":
+        return [f"{out} = {a}.detach()"]
+    if s.kind == "item":
+        return [f"{out} = {ITEMS[s.op].format(j=int(s.value))}"]
+    if s.kind == "change":
+        return [CHANGES[s.op].format(a=a)]
+    if s.kind == "print":
+        # a region's argument is printed detached: eager would show the *caller's* grad_fn, which one body
+        # shared by every call cannot know (effectfx warns; see UnfaithfulPrintWarning)
+        return [PRINTS[s.op].format(label=s.label, p=f"{a}.detach()" if a in arguments else a)]
+    if s.kind == "blocks":  # every sub-module's region method in turn: one body, N weights
+        return [f"{out} = {a}", f"for blk in {module_ref}.blocks:", f"    {out} = blk.step({out})"]
+    if s.kind == "effect":
+        template = next(t for name, t, _ in itertools.chain(*EFFECT_OPS.values()) if name == s.op)
+        expr = template.format(a=a, label=s.label, s=s.value)
+        return [f"{out} = {expr}" if s.outs else expr]
+    call = _call_expr(spec, s, module_ref, s.args)
+    if s.kind == "unused":
+        return [call]
+    if s.kind == "call":
+        return [f"{out} = {call}" if s.outs else call]
+    if s.kind == "chain":
+        return [f"{out} = {_call_expr(spec, s, module_ref, (call,))}"]
+    if s.kind == "loop":
+        return [f"{out} = {a}", f"for _ in range({int(s.value)}):",
+                f"    {out} = {_call_expr(spec, s, module_ref, (out,))}"]
+    if s.kind == "nograd":
+        return ["with torch.no_grad():", f"    {out} = {call}" if s.outs else f"    {call}"]
+    raise ValueError(f"unknown statement kind {s.kind!r}")
+
+
+def _body_lines(spec: ProgramSpec, body: Body, module_ref: str | None, indent: str,
+                region: bool = True) -> list[str]:
+    lines, arguments = [], body.params if region else ()
+    for s in body.stmts:
+        lines.extend(indent + line for line in _stmt_lines(spec, s, module_ref, arguments))
+    lines.append(indent + ("return " + ", ".join(body.returns) if body.returns else "return None"))
+    return lines
+
+
+def _params(r: RegionSpec, first: tuple[str, ...] = ()) -> str:
+    extra = (("xs",) if r.list_len else ()) + (("s=1.0",) if r.scalar else ())
+    return ", ".join(first + r.body.params + extra)
+
+
+def _render(spec: ProgramSpec) -> str:
+    lines = [
+        '"""A program generated by effectfx.testing.generator (python -m effectfx fuzz)."""',
+        "import sys",
+        "",
+        "import torch",
+        "",
+        "import effectfx as efx",
+        "import effectfx.testing  # noqa: F401  (registers the efxtest:: effect ops)",
+        "import effectfx.testing.fuzz_ops  # noqa: F401  (registers the efxfuzz:: ops)",
+        "",
+        f"B, D = {spec.batch}, {spec.width}",
+        f"_g = torch.Generator().manual_seed({spec.seed})",
+    ]
+    lines += [f"C{i} = torch.randn(D, D, generator=_g) / D ** 0.5" for i in range(spec.constants)]
+    for r in spec.regions:
+        if r.style == "method":
+            continue
+        module = ("m",) if r.style == "module_fn" else ()
+        lines += ["", "", "@efx.region", f"def {r.name}({_params(r, module)}):"]
+        lines += _body_lines(spec, r.body, "m" if r.style == "module_fn" else None, "    ")
+    if spec.block_body is not None:
+        lines += ["", "", "class Block(torch.nn.Module):", "    def __init__(self, seed, requires_grad):",
+                  "        super().__init__()", "        g = torch.Generator().manual_seed(seed)",
+                  "        self.w = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
+                  "requires_grad=requires_grad)", "", "    @efx.region",
+                  f"    def step(self, {', '.join(spec.block_body.params)}):"]
+        lines += _body_lines(spec, spec.block_body, "self", "        ")
+    lines += ["", "", "class Fuzzed(torch.nn.Module):", "    def __init__(self):",
+              "        super().__init__()", f"        g = torch.Generator().manual_seed({spec.seed + 1})"]
+    if spec.blocks:
+        blocks = ", ".join(f"Block({spec.seed + 10 + i}, {rg})" for i, rg in enumerate(spec.blocks))
+        lines.append(f"        self.blocks = torch.nn.ModuleList([{blocks}])")
+    for i, rg in enumerate(spec.weights):
+        lines.append(f"        self.w{i} = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
+                     f"requires_grad={rg})")
+    for r in spec.regions:
+        if r.style == "method":
+            lines += ["", "    @efx.region", f"    def {r.name}({_params(r, ('self',))}):"]
+            lines += _body_lines(spec, r.body, "self", "        ")
+    lines += ["", f"    def forward(self, {', '.join(spec.forward.params)}):"]
+    lines += _body_lines(spec, spec.forward, "self", "        ", region=False)
+    lines += ["", "", "def make(variant=0):", "    model = Fuzzed()",
+              f"    g = torch.Generator().manual_seed({spec.seed + 2} + 1000 * variant)",
+              "    args = ("]
+    lines += [f"        torch.randn(B, D, generator=g).requires_grad_({rg})," for rg in spec.inputs]
+    lines += ["    )", "    return model, args", ""]
+    return "\n".join(lines)
