@@ -489,9 +489,10 @@ def uses_while_loop(x):
     return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (torch.tensor(0), x))[1]  # <- while
 
 
-def uses_print_hop(x):
-    torch._higher_order_ops.print("x = {x}", x=x)  # <- printhop
-    return x + 1
+def uses_scan(x):
+    from torch._higher_order_ops.scan import scan
+
+    return scan(lambda c, x: (c + x, c * 2), x[0], x)[1]  # <- scan
 
 
 def uses_flex_attention(q):
@@ -503,12 +504,23 @@ def uses_flex_attention(q):
 @pytest.mark.parametrize("fn, name, marker, shape", [
     (uses_cond, "cond", "cond", (3,)),
     (uses_while_loop, "while_loop", "while", (3,)),
-    (uses_print_hop, "print", "printhop", (3,)),
+    (uses_scan, "scan", "scan", (4, 3)),
     (uses_flex_attention, "flex_attention", "flex", (1, 1, 16, 8)),
-], ids=["cond", "while_loop", "print", "flex_attention"])
+], ids=["cond", "while_loop", "scan", "flex_attention"])
 def test_higher_order_ops_are_refused_by_name(fn, name, marker, shape) -> None:
     with pytest.raises(efx.UnsupportedOperatorError, match=f"'{name}'") as info:
         efx.capture(fn, torch.randn(*shape))
+    assert line_of(marker) in str(info.value)
+
+
+@pytest.mark.parametrize("fn, name, marker", [
+    (uses_cond, "cond", "cond"),
+    (uses_while_loop, "while_loop", "while"),  # not the while_loop_stack_output its autograd rule calls
+    (uses_scan, "scan", "scan"),  # its autograd rule runs first and trips over the tracer's fakes
+], ids=["cond", "while_loop", "scan"])
+def test_higher_order_ops_on_tensors_that_require_grad_are_refused_by_name(fn, name, marker) -> None:
+    with pytest.raises(efx.UnsupportedOperatorError, match=f"'{name}'") as info:
+        efx.capture(fn, torch.randn(4, 3, requires_grad=True))
     assert line_of(marker) in str(info.value)
 
 
@@ -528,6 +540,76 @@ def test_eager_cond_works_after_a_refused_capture() -> None:
         assert torch.equal(uses_cond(x), x * 2)
         assert torch.equal(uses_cond(-x), -x - 1)
         assert torch.equal(uses_while_loop(x), x * 8)
+
+
+def _scan_by_hand(x):
+    carry, ys = x[0], []
+    for row in x:
+        carry, y = carry + row, carry * 2
+        ys.append(y)
+    return torch.stack(ys)
+
+
+def _attention_by_hand(q):
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+# name -> (the HOP's function, the same computed with plain ops, input shape)
+_EAGER_HOPS = {
+    "cond": (uses_cond, lambda x: x * 2 if x.sum() > 0 else x - 1, (3,)),
+    "while_loop": (uses_while_loop, lambda x: x * 8, (3,)),
+    "scan": (uses_scan, _scan_by_hand, (4, 3)),
+    "flex_attention": (uses_flex_attention, _attention_by_hand, (1, 1, 16, 8)),
+}
+
+
+def _eager_hops_work(grad: bool) -> None:
+    """Every HOP of ``_EAGER_HOPS`` runs in eager and equals its plain-ops twin, gradients included
+    (flex_attention: forward only, torch refuses its backward on CPU)."""
+    for name, (fn, by_hand, shape) in _EAGER_HOPS.items():
+        x = torch.randn(*shape, requires_grad=grad and name != "flex_attention")
+        out, expected = fn(x), by_hand(x)
+        torch.testing.assert_close(out, expected, msg=name)
+        if x.requires_grad:
+            torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
+                                       torch.autograd.grad(expected.sum(), x)[0], msg=name)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("where", ["root", "region", "compile"])
+@pytest.mark.parametrize("refused", list(_EAGER_HOPS))
+def test_eager_higher_order_ops_work_after_a_refused_capture(refused, where, grad) -> None:
+    """A failed capture leaves torch usable (issue 13): Dynamo forgets the frames it skipped while the tracer
+    was on the stack (effectfx.capture.dynamo_frames), or eager scan under autograd fails afterwards."""
+    fn, _, shape = _EAGER_HOPS[refused]
+    x = torch.randn(*shape, requires_grad=grad and refused != "flex_attention")
+    body = efx.region(fn)
+    target = {"root": fn, "region": lambda x: body(x) + 1, "compile": fn}[where]
+    with pytest.raises(efx.UnsupportedOperatorError, match=f"'{refused}'"):
+        efx.compile(target)(x) if where == "compile" else efx.capture(target, x)
+    _eager_hops_work(grad)
+
+
+def test_torch_compiled_function_still_compiles_after_a_capture() -> None:
+    """Dynamo skips a torch.compile'd function called inside captured code and would remember the skip on
+    its code object: after the capture it would run eager, silently."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def helper(x):
+        return x.sin() + 1
+
+    def uses_helper(x):
+        return helper(x) * 2
+
+    x = torch.randn(3)
+    prog = efx.capture(uses_helper, x)
+    assert torch.allclose(prog(x), uses_helper(x))
+    assert counter.frame_count == 1  # the eager call above compiled it
+    helper(torch.randn(3))
+    assert counter.frame_count == 1  # and its compiled code is used
 
 
 # -- 7. registry drift: a later registration in torch's own registry counts ------------------------

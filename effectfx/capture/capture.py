@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+from .dynamo_frames import frames_forgotten
 from .meta import OperandSource
 from .python_print import capture_prints
 from .reads import Reads, recording
@@ -31,7 +32,7 @@ def _active(tracer: Tracer) -> Iterator[None]:
     # the trace, nor a fake one made by the trace into the user's eager code
     torch.clear_autocast_cache()
     try:
-        with capture_prints(tracer), tracer.fake_mode, tracer:
+        with frames_forgotten(), capture_prints(tracer), tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous

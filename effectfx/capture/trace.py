@@ -29,7 +29,7 @@ from .meta import OperandSource, TensorMeta, TracedGraph
 from .reads import raw
 from .source import in_library, return_lines, trim_traceback, user_location
 from .tracer import Tracer
-from .unsupported import dynamo_mark, unsupported_operator
+from .unsupported import unsupported_operator
 
 _CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
 
@@ -176,10 +176,12 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
     """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph."""
     tracer, builder = scope.tracer, scope.builder
     with tracer.graph(builder):
-        mark = dynamo_mark()
         try:
             out = run()
         except EffectfxError as exc:
+            refused = unsupported_operator(exc, where)  # tripped inside a higher-order op
+            if refused is not None:
+                raise refused from None
             # the message names the user's line: drop the dispatcher's frames (the cause stays)
             raise trim_traceback(exc) from exc.__cause__
         except RuntimeError as exc:
@@ -189,7 +191,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
                     "eager PyTorch refuses this too (Note [Mutations]). Update a clone, or do it under "
                     "torch.no_grad()."
                 ) from None
-            refused = unsupported_operator(exc, where, mark)
+            refused = unsupported_operator(exc, where)
             if refused is not None:
                 raise refused from None
             if "tensor subclass" not in str(exc) and "FakeTensor" not in str(exc):

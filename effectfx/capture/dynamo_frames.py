@@ -1,0 +1,95 @@
+"""A capture leaves Dynamo as it found it: every frame Dynamo saw during the capture is forgotten.
+
+Code that runs during a capture may call a ``torch.compile``'d function: the user's own, or one inside
+torch (eager ``torch.cond``, ``while_loop`` and ``scan`` compile their body with Dynamo).  Dynamo skips every
+frame it is handed while a non-infra dispatch mode -- effectfx's tracer -- is on the stack, and remembers
+the skip *on the code object*, for good: after the capture the ``torch.compile``'d function runs eager
+(silently), and ``torch.cond`` or ``scan`` in eager fails in the whole process (Dynamo now starts tracing
+in frames it would have inlined, inside torch's own code).
+
+:func:`frames_forgotten` wraps a capture.  It records the code objects Dynamo is handed on the capturing
+thread (Dynamo's ``input_codes.add``, which each of its frame callbacks calls first) and resets them when
+the capture ends, however it ends (``torch._C._dynamo.eval_frame.reset_code``, what ``torch._dynamo.reset``
+does per code object): the next eager call is Dynamo's first look at them.  Dynamo is imported lazily (it
+costs seconds); when a capture imports it, every code it has seen so far was seen during that capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from types import CodeType
+from typing import Any
+
+_LOCAL = threading.local()  # .recording: one set of code objects per capture running on this thread
+_LOCK = threading.Lock()
+_INSTALLED = 0
+
+
+def _tracker() -> Any:
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    return getattr(convert_frame, "input_codes", None)
+
+
+def _recording() -> list[set[CodeType]]:
+    stack = getattr(_LOCAL, "recording", None)
+    if stack is None:
+        stack = _LOCAL.recording = []
+    return stack
+
+
+class _Recorder:
+    """Dynamo's ``input_codes.add``, also noting the code for the captures running on this thread."""
+
+    def __init__(self, add: Any) -> None:
+        self.add = add
+
+    def __call__(self, code: CodeType) -> None:
+        self.add(code)
+        for codes in getattr(_LOCAL, "recording", ()):
+            codes.add(code)
+
+
+def _install(tracker: Any) -> None:
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED == 0:
+            tracker.add = _Recorder(tracker.add)
+        _INSTALLED += 1
+
+
+def _uninstall(tracker: Any) -> None:
+    global _INSTALLED
+    with _LOCK:
+        _INSTALLED -= 1
+        if _INSTALLED == 0 and isinstance(tracker.__dict__.get("add"), _Recorder):
+            del tracker.add  # the class's method again
+
+
+@contextlib.contextmanager
+def frames_forgotten() -> Iterator[None]:
+    """Run a capture; then reset Dynamo's state of every code object it saw meanwhile (module docstring)."""
+    tracker = _tracker()
+    if tracker is not None:
+        _install(tracker)
+    codes: set[CodeType] = set()
+    stack = _recording()
+    stack.append(codes)
+    try:
+        yield
+    finally:
+        stack.pop()
+        if tracker is not None:
+            _uninstall(tracker)
+        else:
+            tracker = _tracker()
+            if tracker is not None:  # Dynamo was imported during the capture: all it saw is ours
+                codes.update(c for c in (ref() for ref in tracker.seen) if c is not None)
+        if codes:
+            import torch
+
+            reset_code = torch._C._dynamo.eval_frame.reset_code
+            for code in codes:
+                reset_code(code)
