@@ -8,9 +8,11 @@ program; the region scenarios and GPT-2 are ``slow`` (``pytest -m slow tests/tes
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,10 +201,10 @@ def test_inference_and_compiles_do_not_grow_with_call_sites() -> None:
     counts = []
     for n in (1, 3):
         inductor.clear_cache()
-        before = inductor.STATS.compiles
+        before = inductor.STATS.compiles + inductor.STATS.loads  # loaded: compiled by an earlier run
         model = Model(n).requires_grad_(False)
         check_inductor(model, x)
-        counts.append(inductor.STATS.compiles - before)
+        counts.append(inductor.STATS.compiles + inductor.STATS.loads - before)
     assert counts[0] == counts[1]
 
 
@@ -219,13 +221,14 @@ def test_body_reused_across_signatures() -> None:
     compiled = efx.compile(f, backend="inductor")
     x = torch.randn(4)
     compiled(x, 2.0)
-    before = (inductor.STATS.compiles, inductor.STATS.hits)
+    stats = inductor.STATS
+    before = (stats.compiles + stats.loads, stats.hits)
     with recording() as log:
         got = compiled(x, 3.0)  # a new signature: only the root's segment is new
     torch.testing.assert_close(got, f(x, 3.0))
     assert log == [("record_memory", "body")]
     assert compiled.stats.compiles == 2
-    assert inductor.STATS.compiles - before[0] == 1 and inductor.STATS.hits - before[1] >= 1
+    assert stats.compiles + stats.loads - before[0] == 1 and stats.hits - before[1] >= 1
 
 
 @pytest.mark.slow
@@ -270,13 +273,15 @@ def test_gpt2_three_training_steps() -> None:
 
 
 # -- fallbacks and refusals -------------------------------------------------------------------------------
-def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch._inductor.compile_fx as compile_fx
+def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    import torch._inductor
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no kernel for you")
 
-    monkeypatch.setattr(compile_fx, "compile_fx_inner", refuse)
+    monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
+    monkeypatch.setattr(inductor, "artifact_path", lambda source, inputs: tmp_path / "none.bin")
     inductor.clear_cache()
 
     @efx.region
@@ -296,6 +301,15 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
     assert any(issubclass(w.category, inductor.InductorFallbackWarning) and "falls_back" in str(w.message)
                and "no kernel for you" in str(w.message) for w in caught)
     inductor.clear_cache()  # no refused segment survives into other tests
+
+
+def test_a_new_process_loads_the_saved_segments() -> None:
+    x = torch.randn(3)
+    efx.compile(seed, backend="inductor")(x)  # compiles, or loads what an earlier run saved
+    inductor.clear_cache()  # what a new process starts with
+    before = dataclasses.replace(inductor.STATS)
+    check_inductor(seed, x)
+    assert inductor.STATS.compiles == before.compiles and inductor.STATS.loads > before.loads
 
 
 def test_needs_token_free_form() -> None:

@@ -14,11 +14,12 @@ How (see Note [Effect tokens] for why order needs care):
      last before its first reader; :func:`_fewest_segments` picks the fewest segments.  Pure work moves
      (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
      is therefore one segment.
-  2. Each segment is decomposed to core aten (Inductor's decomposition table, ``make_fx`` on fake tensors)
-     and compiled by ``torch._inductor.compile_fx.compile_fx_inner`` on example inputs built from the
-     capture's tensor metadata.  Compiled segments are cached for the process by their code and input
-     metadata (:data:`SEGMENTS`), so a body is compiled once however many call sites, programs or input
-     signatures share it; across processes Inductor's own FX graph cache makes the compile a load.
+  2. Each segment is compiled by ``torch._inductor.standalone_compile`` (aot_autograd's decompositions to
+     core aten, then Inductor) on fake example inputs built from the capture's tensor metadata.  Compiled
+     segments are cached for the process by their code and input metadata (:data:`SEGMENTS`), so a body
+     is compiled once however many call sites, programs or input signatures share it; and saved as
+     ``CompiledArtifact`` files in Inductor's cache directory (:func:`artifact_path`), so a second
+     process loads each in milliseconds.
   3. A segment Inductor cannot compile runs its aten graph un-compiled (the default backend's ops),
      with an :class:`InductorFallbackWarning` naming the region: never a wrong result.
 
@@ -31,10 +32,13 @@ graph, and one failure loses the whole program.
 
 from __future__ import annotations
 
+import hashlib
 import operator
+import os
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,13 +94,14 @@ class InductorSegment(torch.nn.Module):
             if any(stride[d] != s for d, s in dims):  # another layout than traced (an expanded tangent)
                 t, (_, expected, _, _) = args[i], self.inputs[i]
                 inputs[i] = torch.empty_strided(t.shape, expected, dtype=t.dtype, device=t.device).copy_(t)
-        return tuple(self.compiled(inputs))  # boxed convention: Inductor clears `inputs`
+        return tuple(self.compiled(*inputs))
 
 
-# -- the process-wide cache of compiled segments ---------------------------------------------------------
+# -- the caches of compiled segments ----------------------------------------------------------------------
 @dataclass
 class CacheStats:
     compiles: int = 0  # segments handed to Inductor
+    loads: int = 0  # segments loaded from an artifact an earlier process saved
     hits: int = 0  # segments found compiled (another call site, body, program or signature)
     fallbacks: int = 0  # segments run un-compiled
 
@@ -104,43 +109,62 @@ class CacheStats:
 SEGMENTS: dict[tuple, tuple[Any, str | None]] = {}  # (code, input metadata) -> (compiled or None, reason)
 STATS = CacheStats()
 _LOCK = threading.Lock()  # one Inductor compile at a time (Inductor's state is global)
+ARTIFACT_FORMAT = 1  # bump when what a saved artifact means changes
 
 
 def clear_cache() -> None:
-    """Forget every compiled segment (Inductor's on-disk cache is untouched)."""
+    """Forget every compiled segment of this process (saved artifacts stay; see :func:`artifact_path`)."""
     with _LOCK:
         SEGMENTS.clear()
 
 
+def artifact_path(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> Path:
+    """Where a segment's compiled artifact is saved: inside Inductor's cache directory (so
+    ``TORCHINDUCTOR_CACHE_DIR`` governs both), named by everything the compiled code depends on."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    key = repr((ARTIFACT_FORMAT, torch.__version__, source.code, inputs, inductor_config.get_hash(),
+                torch._functorch.config.get_hash()))
+    return Path(cache_dir()) / "effectfx" / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
+
+
 def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
+    """``torch._inductor.standalone_compile`` (aot_autograd's decompositions, then Inductor) of one segment,
+    saved as a ``CompiledArtifact`` that a later process loads in milliseconds instead of tracing and
+    looking up Inductor's caches again."""
+    from torch._inductor import CompiledArtifact, standalone_compile
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    # Inductor's FX graph cache (what makes a second process start fast) reads the shape environment of
-    # the tracing context, and is bypassed without one: trace and compile under one fake mode that has
-    # one (shapes are static here), as aot_autograd would
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    path = artifact_path(source, inputs)
+    if path.is_file():
+        try:
+            loaded = CompiledArtifact.load(path=str(path), format="binary")
+            STATS.loads += 1
+            return loaded, None
+        except Exception:  # written by another torch, or damaged: compile anew (and overwrite it)
+            pass
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())  # static shapes: specialized on these examples
     try:
-        with tracing(TracingContext(fake_mode)), torch.no_grad():
-            with fake_mode:
-                examples = [_example(m) for m in inputs]
-            # Inductor lowers core aten: decompose first (as aot_autograd would)
-            decomposed = make_fx(source, decomposition_table=select_decomp_table(), tracing_mode="fake")(
-                *examples)
-            output = next(iter(decomposed.graph.find_nodes(op="output")))
-            # every output is read by another graph: keep eager's strides (no padding), as torch's own
-            # invoke_subgraph_inductor_compile does for the same reason
-            output.meta["user_visible_output_idxs"] = [
-                i for i, o in enumerate(output.args[0]) if isinstance(o, fx.Node)]
-            STATS.compiles += 1
-            return compile_fx_inner(decomposed, examples), None
+        with fake_mode:
+            examples = [_example(m) for m in inputs]
+        with torch.no_grad():  # the inference path: segments run with grad disabled
+            artifact = standalone_compile(source, examples, dynamic_shapes="from_example_inputs",
+                                          fake_mode=fake_mode)
     except Exception as e:  # any Inductor failure: run the aten graph instead
         STATS.fallbacks += 1
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    STATS.compiles += 1
+    if getattr(artifact, "is_saveable", lambda: True)():
+        try:  # atomically: two processes may save the same segment at once
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+            artifact.save(path=str(tmp), format="binary")
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: the next process compiles again
+    return artifact, None
 
 
 def compiled_segment(source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> InductorSegment:
