@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+from . import hops  # noqa: F401  (the tracer's rules for higher-order ops)
 from .dynamo_frames import frames_forgotten
 from .meta import OperandSource
 from .python_print import capture_prints

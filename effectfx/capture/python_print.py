@@ -21,6 +21,10 @@ an object's ``__repr__``, an f-string built before ``print`` was called -- becau
 tensor; ``print`` turns the markers of its text into slots.  ``stream`` is 1 for ``sys.stdout`` and 2 for
 ``sys.stderr``, looked up at run time (as eager's ``print`` does).
 
+The print higher-order op (``torch._higher_order_ops.print(format_str, *args, **kwargs)``) is this same
+effect: in eager it is ``print(format_str.format(*args, **kwargs))``, and ``effectfx.capture.hops`` runs
+exactly that under the tracer, so it records one ``effectfx::print`` node like any ``print``.
+
 Where the run-time print cannot equal eager's, capture warns (:class:`UnfaithfulPrintWarning`) naming the
 user's line: ``file=`` another stream (printed once, at capture, as before), a tensor whose ``grad_fn``
 eager would show but effectfx cannot know (a region's result, or a region's argument that requires grad),

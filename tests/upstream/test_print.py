@@ -9,9 +9,9 @@ they show: the prints are effects on the ``"ordered"`` key, chained by one token
 
 A higher-order op may be supported (then every check above applies) or refused with a named
 ``efx.EffectfxError`` by every form and by ``efx.compile`` before anything printed; a raw torch exception is
-neither.  Today effectfx refuses the print HOP (``UnsupportedOperatorError``, pointing to Python ``print`` and
-``aten::_print``), so these tests check that refusal; the comparisons with eager take over once it is
-captured.  effectfx's static shapes turn upstream's "new input shape" runs into a second signature.
+neither.  effectfx captures the print HOP as Python ``print`` (one ``effectfx::print`` node on ``"ordered"``,
+``effectfx.capture.hops``), so the comparisons with eager apply.  effectfx's static shapes turn upstream's
+"new input shape" runs into a second signature.
 
 The Inductor-named tests port their observable part (values and the printed lines, in order) and run with
 ``backend="eager"``; their ``backend="inductor"`` variants run only with ``-m slow`` (a cold Inductor
@@ -219,16 +219,15 @@ def test_print_with_input_mutations(capsys):
         hop_print("moo {x} {y}", x=x, y=res)
         return (res,)
 
-    # effectfx refuses to write into an input (docs/SUPPORT.md), before anything printed
+    # the input is written in place (Note [Mutations]): each print shows the value it had at that point
     x = randn(3)
+    text = check_prints(capsys, f, lambda: (randn(3),))
+    assert text == f"moo {x} 2\nmoo {x * 3} {x * 6}\n"
+    for name, build in FORMS.items():
+        arg = randn(3)
+        build(f, (arg,), {})(arg)
+        assert torch.allclose(arg, x * 3), name  # written back as eager's add_ left it
     printed(capsys)
-    for build in FORMS.values():
-        with pytest.raises(efx.EffectfxError):
-            build(f, (x,), {})
-    with pytest.raises(efx.EffectfxError):
-        efx.compile(f)(x)
-    assert printed(capsys) == ""
-    assert torch.equal(x, randn(3))
 
 
 def _reordered(x):
