@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from .effect_ops import EFFECT_KEYS
-
 MAX_DEPTH = 3  # region nesting depth (a region called from the root is at depth 1)
 
 # -- the ops a statement may use, as tables: name -> Python expression over ``a`` (and ``b``) ----------
@@ -68,7 +66,6 @@ PRINTS = {
 ITEMS = {"index": "xs[{j}]", "stack": "torch.stack(xs).sum(0)"}
 CHANGES = {"append": "xs.append({a})", "setitem": "xs[0] = {a} * 1.0"}  # always a new object
 # effect ops by key: (name, template, has output); "ordered" ones may appear in any program
-RECORD_OP = {key: "record_" + key.replace(":", "_") for key in EFFECT_KEYS}
 EFFECT_OPS: dict[str, list[tuple[str, str, bool]]] = {
     "memory": [
         ("record_memory", 'torch.ops.efxtest.record_memory("{label}")', False),
@@ -187,6 +184,19 @@ class ProgramSpec:
                 todo.extend(s.op for s in self._calls(self.region(name).body))
         return seen
 
+    def arguments(self, body: Body) -> set[str]:
+        """The names of a region's ``body`` that may be its caller's tensors: its parameters, items of its
+        list, and what a region it calls hands back unchanged."""
+        found = set(body.params)
+        for s in body.stmts:
+            if s.kind == "item" and s.op == "index":
+                found.update(s.outs)
+            elif s.kind in CALL_KINDS:
+                callee = self.region(s.op).body
+                through = self.arguments(callee)
+                found.update(out for out, ret in zip(s.outs, callee.returns) if ret in through)
+        return found
+
     def refusal(self) -> str | None:
         """The error effectfx must raise on this program instead of running it, if any: a region it calls
         changes its list argument (the change would be lost, see ``check_containers_unchanged``)."""
@@ -277,7 +287,7 @@ def _weight_expr(weight: str, module_ref: str | None) -> str:
     return weight if weight.startswith("C") else f"{module_ref}.{weight}"  # C0, self.w0, m.w1, self.w
 
 
-def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: tuple[str, ...]) -> list[str]:
+def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: set[str]) -> list[str]:
     a = s.args[0] if s.args else ""
     out = ", ".join(s.outs)
     if s.kind == "unary":
@@ -325,7 +335,7 @@ def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: t
 
 def _body_lines(spec: ProgramSpec, body: Body, module_ref: str | None, indent: str,
                 region: bool = True) -> list[str]:
-    lines, arguments = [], body.params if region else ()
+    lines, arguments = [], spec.arguments(body) if region else set()
     for s in body.stmts:
         lines.extend(indent + line for line in _stmt_lines(spec, s, module_ref, arguments))
     lines.append(indent + ("return " + ", ".join(body.returns) if body.returns else "return None"))
