@@ -70,7 +70,7 @@ def _example(meta: Meta) -> torch.Tensor:
 
 
 class InductorSegment(torch.nn.Module):
-    """One pure segment: ``forward(*tensors) -> tuple`` of the values later nodes read.
+    """One pure segment: ``forward(*tensors)`` returns the values later nodes read (a list or tuple).
 
     ``compiled`` is Inductor's callable, or None when the segment runs its aten graph (``source``)."""
 
@@ -81,20 +81,21 @@ class InductorSegment(torch.nn.Module):
         self.compiled = compiled
         self.reason = reason  # why it runs un-compiled, if it does
         self.inputs = inputs
-        # compiled code asserts its inputs' strides, except in dimensions of size 1 (checked at runtime)
-        self.checks = [(i, tuple((d, s) for d, (n, s) in enumerate(zip(m[0], m[1])) if n > 1))
-                       for i, m in enumerate(inputs)]
+        # compiled code asserts its inputs' strides, except in dimensions of size 1: (index, traced
+        # stride, the dimensions that count) for every input with a dimension that counts
+        self.checks = [(i, m[1], tuple((d, s) for d, (n, s) in enumerate(zip(m[0], m[1])) if n > 1))
+                       for i, m in enumerate(inputs) if any(n > 1 for n in m[0])]
 
-    def forward(self, *args: torch.Tensor) -> tuple:
+    def forward(self, *args: torch.Tensor) -> Any:
         if self.compiled is None:
-            return tuple(self.source(*args))
-        inputs = list(args)
-        for i, dims in self.checks:
+            return self.source(*args)
+        for i, traced, dims in self.checks:
             stride = args[i].stride()
-            if any(stride[d] != s for d, s in dims):  # another layout than traced (an expanded tangent)
-                t, (_, expected, _, _) = args[i], self.inputs[i]
-                inputs[i] = torch.empty_strided(t.shape, expected, dtype=t.dtype, device=t.device).copy_(t)
-        return tuple(self.compiled(*inputs))
+            if stride != traced and any(stride[d] != s for d, s in dims):  # e.g. an expanded tangent
+                t = args[i]
+                args = (*args[:i], torch.empty_strided(t.shape, traced, dtype=t.dtype, device=t.device)
+                        .copy_(t), *args[i + 1:])
+        return self.compiled(*args)
 
 
 # -- the caches of compiled segments ----------------------------------------------------------------------
