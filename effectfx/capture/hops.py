@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch._higher_order_ops.print import print as print_hop
 from torch._higher_order_ops.print import print_impl
 
@@ -27,6 +26,3 @@ def _print_under_tracer(mode: Tracer, format_str: str, *args: Any, **kwargs: Any
     # eager's kernel, under the tracer: its built-in ``print`` is the capture's (python_print)
     with mode:
         print_impl(format_str, *args, **kwargs)
-
-
-HANDLED: frozenset[torch._ops.HigherOrderOperator] = frozenset({print_hop})
