@@ -196,6 +196,20 @@ def test_composite_effect_label_is_an_operand() -> None:
     assert [e.traces for e in efx.capture(layers, torch.randn(2, 3)).regions.values()] == [1]
 
 
+def test_composite_aten_effect_through_functions_and_methods() -> None:
+    def f(x):
+        return torch.absolute(x) + x.absolute() * 2 + torch.ops.aten.absolute(x) * 3
+
+    handle = efx.register_effect(torch.ops.aten.absolute.default)  # CIA: it decomposes to abs
+    try:
+        check_against_eager(f, torch.randn(3, requires_grad=True))
+        graph = efx.capture(f, torch.randn(3)).graph_module.graph
+        calls = [n.args[1] for n in graph.nodes if n.target is efx.ops.with_effects]
+        assert calls == [torch.ops.aten.absolute.default] * 3
+    finally:
+        handle.remove()
+
+
 def test_composite_effect_survives_save_and_load(tmp_path: Path) -> None:
     x = torch.randn(3)
     with recording() as eager:

@@ -7,12 +7,14 @@ tracer would only ever see the op's pieces, and the effect would run once, at ca
 Why a torch-function mode.  torch's own tracers keep CIA ops through the Python dispatcher (export's
 ``_override_composite_implicit_decomp`` puts a ``py_impl`` on the CIA key; ``make_fx(pre_dispatch=True)``
 listens at the PreDispatch key).  Enabling the Python dispatcher for a whole capture routes *every* op
-through Python (~15% slower captures here) and switches on torch's Python decompositions (``dropout``,
-``native_batch_norm``, the upsamplers have ``py_impl`` kernels), so graphs and RNG use would change for
-programs that have no such op at all.  A :class:`~torch.overrides.TorchFunctionMode` sees the user's
-call -- ``torch.ops.demo.log(x, "a")``, ``y.absolute_()`` -- before any dispatch key, costs a dict lookup
-per call, and changes nothing else.  What it cannot see is a CIA effect op called from *inside* another
-kernel or a Python-level torch function (``F.*``); SUPPORT.md says so.
+through Python (10-15% slower captures, measured here) and switches on torch's Python decompositions
+(``dropout``, ``native_batch_norm``, the upsamplers have ``py_impl`` kernels), so graphs and RNG use would
+change for programs that have no such op at all.  A :class:`~torch.overrides.TorchFunctionMode` sees the
+user's call -- ``torch.ops.demo.log(x, "a")``, ``y.absolute_()``, ``torch.absolute(y)`` -- before any
+dispatch key, costs a dict lookup per call, and changes nothing else; it stays active inside Python-level
+torch functions (``F.*``) and inside the CIA kernels of other custom ops, so calls made there are seen
+too.  What it cannot see is a CIA effect op called from C++ (inside an aten op's composite kernel);
+SUPPORT.md says so.
 
 What happens to a call of such an op:
 
