@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import io
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +38,9 @@ def test_generated_programs_match_eager(spec: ProgramSpec) -> None:
     note(spec.source())
     outcome = check_program(spec)
     assert not outcome.failures, outcome.report()
-    assert outcome.comparisons >= 2 * len(differential.FORMS) + 3
+    refused = spec.refusal() is not None  # every form and efx.compile refuse it
+    forms = len(differential.FORMS)
+    assert outcome.comparisons >= (forms + 1 if refused else 2 * forms + 3)
 
 
 # -- minimized reproducers of bugs the fuzzer found ----------------------------------------------------------
@@ -59,6 +61,65 @@ def _list_region_spec(change: bool) -> ProgramSpec:
     forward = Body(("x0", "x1"), (Stmt("loop", "r0", ("x0",), ("v0",), value=2.0, items=("x1", "x0")),),
                    ("v0",))
     return ProgramSpec(2, 4, ("memory",), (True, False), (), 0, (region,), forward, seed=5)
+
+
+def _stateful_spec(leaf: bool = False) -> ProgramSpec:
+    """Buffers and arguments updated in place (Note [Mutations]): a region method keeping a running average,
+    a counter and a BatchNorm, updating its argument (an intermediate with grad of the caller, read after
+    the call) through a view, and printing and pinging its state after the updates; the root updates its
+    input ``x1`` (``x0`` with ``leaf``: a leaf that requires grad, which eager and effectfx refuse)."""
+    region = RegionSpec("r0", "method", Body(("x0",), (
+        Stmt("buffer", "ema", ("x0",)), Stmt("buffer", "count", ()),
+        Stmt("mutate", "view", ("x0",), value=2.0), Stmt("bn", "bn", ("x0",), ("v0",)),
+        Stmt("bufread", "print", (), (), "r0.4"),
+        Stmt("bufread", "bnstat", (), (), "r0.5"), Stmt("bufread", "use", ("v0",), ("v1",), "r0.6"),
+    ), ("v1",)))
+    forward = Body(("x0", "x1"), (
+        Stmt("unary", "half", ("x0",), ("v0",)), Stmt("call", "r0", ("v0",), ("v1",)),
+        Stmt("mutate", "add", ("x0" if leaf else "x1", "v0")),
+        Stmt("loop", "r1", ("v1",), ("v2",), value=2.0),
+        Stmt("bufread", "ping", (), (), "forward.4"), Stmt("binary", "mul", ("v2", "v0"), ("v3",)),
+    ), ("v3", "x1"))
+    counter = RegionSpec("r1", "function", Body(("x0",), (Stmt("unary", "sin", ("x0",), ("v0",)),), ("v0",)))
+    return ProgramSpec(3, 4, ("memory",), (True, False), (True,), 0, (region, counter), forward, seed=3)
+
+
+def _losing_writes(what: str) -> differential.Builder:
+    """A deliberately broken form: the functionalized program, losing its updates of the arguments (run on
+    copies) or of the buffers (restored after the call)."""
+
+    def build(fn: Any, args: tuple, kwargs: dict) -> Any:
+        prog = efx.capture(fn, *args, **kwargs)
+
+        def run(*a: Any) -> Any:
+            if what == "arguments":
+                return prog(*(t.detach().clone().requires_grad_(t.requires_grad) for t in a))
+            saved = [b.detach().clone() for b in fn.buffers()]
+            out = prog(*a)
+            with torch.no_grad():
+                for b, s in zip(fn.buffers(), saved):
+                    b.copy_(s)
+            return out
+
+        return run
+
+    return build
+
+
+def test_buffers_and_arguments_after_every_call_are_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _stateful_spec()
+    assert {"input updated in place", "region updates its argument", "region updates buffers", "bn",
+            "bufread:bnstat"} <= spec.features() and spec.refusal() is None
+    outcome = check_program(spec)
+    assert not outcome.failures, outcome.report()
+    for what in ("arguments", "buffers"):
+        monkeypatch.setitem(differential.FORMS, "losing", _losing_writes(what))
+        outcome = check_program(spec, forms=("losing",))
+        assert "arguments or buffers differ [losing]" in outcome.kinds(), outcome.report()
+    leaf = _stateful_spec(leaf=True)  # eager refuses it; so does every form and efx.compile, effects unrun
+    assert leaf.refusal() == "UnsupportedMutationError"
+    outcome = check_program(leaf)
+    assert not outcome.failures and outcome.comparisons == len(differential.FORMS) + 1, outcome.report()
 
 
 def test_list_arguments_are_read_and_changes_refused() -> None:
@@ -102,7 +163,10 @@ FEATURES = [
     "inplace", "detach", "binary", "unary", "requires_grad", "blocks", "blocks with mixed requires_grad",
     "scalar", "region called with different numbers", "print:plain", "print:fstring", "print:stats",
     "print:format", "print:stderr", "item:index", "item:stack", "list argument", "refused", "effect:ping",
-    "effect:logged",
+    "effect:logged", "buffer:ema", "buffer:count", "buffer:copy", "bufread:ping", "bufread:print",
+    "bufread:use", "bufread:bnstat", "bufread:bnprint", "bn", "mutate:add", "mutate:mul", "mutate:view",
+    "input updated in place", "region updates its argument", "region updates buffers",
+    "blocks update their own buffers",
 ]
 
 
@@ -136,6 +200,13 @@ def test_exclude_is_respected() -> None:
         assert not {"nograd", "loop", "effect:scale", "list argument", "effect:logged"} & features
         assert not any(f.startswith(("print:", "item:", "change:")) for f in features)
         assert spec.refusal() is None
+
+
+def test_exclude_buffers_and_mutations() -> None:
+    for spec in sample(100, exclude=("buffer", "bn", "mutate")):
+        kinds = {s.kind for _, b in spec.bodies() for s in b.stmts}
+        assert not kinds & {"buffer", "bufread", "bn", "mutate"}
+        assert "self.register_buffer" not in spec.source() and "BatchNorm" not in spec.source()
 
 
 def test_builds_are_independent() -> None:
@@ -251,9 +322,7 @@ def test_a_lost_print_is_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_reproducer_is_standalone(tmp_path: object) -> None:
-    spec = _no_grad_region_spec()
-    stmts = (Stmt("effect", "record_memory", (), (), "forward.0"), Stmt("unary", "tanh", ("x0",), ("v0",)))
-    spec = dataclasses.replace(spec, regions=(), forward=Body(("x0",), stmts, ("v0",)))
+    spec = _stateful_spec()  # buffers, BatchNorm, arguments updated in place: all rebuilt by the script
     path = tmp_path / "repro.py"  # type: ignore[operator]
     path.write_text(reproducer_source(spec, "a note"))
     import subprocess

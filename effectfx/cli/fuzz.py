@@ -3,9 +3,10 @@
 Generates ``--programs`` random programs (``effectfx.testing.generator``, driven by hypothesis with
 ``--seed``) and runs each (``effectfx.testing.checking``) in eager, through every form in
 ``effectfx.testing.differential.FORMS`` and through ``efx.compile`` with backward, comparing outputs,
-gradients and effect logs (what the program prints included); a program effectfx must refuse (a region
-changing its list argument) must be refused by every form.  Prints a progress bar on stderr and a summary
-on stdout; on any failure, minimizes one program per kind of failure and saves it as a standalone
+gradients, effect logs (what the program prints included), and the arguments and buffers after every call
+(programs update both in place); a program effectfx must refuse (a region changing its list argument, an
+update of a leaf that requires grad) must be refused by every form.  Prints a progress bar on stderr and a
+summary on stdout; on any failure, minimizes one program per kind of failure and saves it as a standalone
 reproducer in ``--out``, and exits 1.
 """
 
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     forms_run = forms or tuple(differential.FORMS)
     print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")
     print(f"  forms checked      : {', '.join(forms_run)}, "
-          f"compile backend {args.backend!r} (x2, new inputs, updated parameters; with backward)")
+          f"compile backend {args.backend!r} (x2, new inputs, updated parameters; with backward; "
+          "arguments and buffers after every call)")
     print(f"  comparisons        : {stats.comparisons}")
     print(f"  effects compared   : {stats.effects_compared}")
     print(f"  mismatches         : {stats.mismatches}")

@@ -2,7 +2,10 @@
 
 :func:`check_program` runs one :class:`~effectfx.testing.program.ProgramSpec` in eager, through every form
 in ``FORMS`` and through ``efx.compile`` (twice on the same inputs, once on new inputs of the same
-signature, once after an in-place parameter update) and classifies what went wrong.  What the program
+signature, once after an in-place parameter update) and classifies what went wrong.  Each run gets fresh
+copies of the arguments and starts from the same buffers; the arguments and every buffer after every call
+are compared with eager's too (``differential.run_sequence``, shared with
+``check_mutations_against_eager``).  What the program
 prints (Python ``print`` to stdout or stderr) is part of its effect log, in order with the effect ops; a
 program effectfx must refuse (:meth:`~effectfx.testing.program.ProgramSpec.refusal`) must be refused by
 every form and by ``efx.compile``, before any effect runs.  :func:`shrink` is a deletion-based minimizer
@@ -25,7 +28,7 @@ import torch
 import effectfx as efx
 
 from . import differential
-from .differential import EagerMismatch, compare, run_eager, run_program
+from .differential import EagerMismatch, StartingState, compare, fresh_args, run_form, run_sequence, state_of
 from .effect_ops import LOG, recording
 from .program import CALL_KINDS, Body, ProgramSpec, Stmt, build_source
 
@@ -64,7 +67,8 @@ class Outcome:
         return "\n\n".join(f"{f.label}\n{f.detail}" for f in self.failures)
 
 
-_MISMATCH_KINDS = ("capture ran effects", "outputs differ", "gradients differ", "effect logs differ")
+_MISMATCH_KINDS = ("capture ran effects", "outputs differ", "gradients differ", "effect logs differ",
+                   "arguments or buffers differ")
 
 
 def _classify(where: str, exc: BaseException) -> list[Failure]:
@@ -124,45 +128,56 @@ def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
 def _check(make: Callable[[int], tuple[torch.nn.Module, tuple]], forms: tuple[str, ...], calls: int,
            backend: str, refusal: str | None, outcome: Outcome) -> None:
     model, args = make(0)
-    try:
-        eager = run_eager(model, args)
-    except Exception as exc:  # the generator made an invalid program
-        outcome.failures.extend(_classify("eager", exc))
-        return
-
-    def check(where: str, run: Callable[[], list[differential.RunResult]],
-              expected: differential.RunResult) -> None:
-        try:
-            for result in run():
-                outcome.comparisons += 1
-                compare(where, expected, result)
-                outcome.effects_compared += len(expected.log)
-        except Exception as exc:
-            outcome.failures.extend(_classify(where, exc))
-
-    if refusal is not None:
+    if refusal is not None:  # (eager may refuse it too: a leaf that requires grad updated in place)
         builders = {name: differential.FORMS[name] for name in forms}
         builders["compile"] = lambda f, a, k: efx.compile(f, backend=backend)(*a, **k)
         for name, build in builders.items():
-            _check_refused(name, lambda build=build: build(model, args, {}), refusal, outcome)
+            _check_refused(name, lambda build=build: build(model, fresh_args(args)(), {}), refusal, outcome)
+        return
+    # every run gets fresh copies of the arguments and starts from the same buffers; the arguments and
+    # every buffer after every call are compared too (Note [Mutations])
+    start = StartingState(state_of(model))
+    make_args = fresh_args(args)
+
+    def eager(make_args: Callable[[], tuple], n: int) -> list[differential.RunResult] | None:
+        try:
+            return run_sequence(model, model, make_args, start, n)
+        except Exception as exc:  # the generator made an invalid program
+            outcome.failures.extend(_classify("eager", exc))
+            return None
+
+    def check(where: str, run: Callable[[], list[differential.RunResult]],
+              expected: list[differential.RunResult]) -> None:
+        try:
+            for i, (want, got) in enumerate(zip(expected, run(), strict=True)):
+                outcome.comparisons += 1
+                compare(where if len(expected) == 1 else f"{where} call {i + 1}", want, got)
+                outcome.effects_compared += len(want.log)
+        except Exception as exc:
+            outcome.failures.extend(_classify(where, exc))
+
+    expected = eager(make_args, calls)
+    if expected is None:
         return
     for name in forms:
-        check(name, lambda name=name: run_program(differential.FORMS[name], model, args, {}, calls), eager)
+        build = differential.FORMS[name]
+        check(name, lambda name=name, build=build: run_form(name, build, model, make_args, start, calls),
+              expected)
     cfn = efx.compile(model, backend=backend)
-    check("compile", lambda: run_program(lambda f, a, k: cfn, model, args, {}, calls), eager)
-    _, new_args = make(1)
-    try:
-        eager_new = run_eager(model, new_args)
-    except Exception as exc:
-        outcome.failures.extend(_classify("eager", exc))
+    check("compile", lambda: run_sequence(cfn, model, make_args, start, calls), expected)
+    new_args = fresh_args(make(1)[1])
+    expected = eager(new_args, 1)
+    if expected is None:
         return
-    check("compile new inputs", lambda: run_program(lambda f, a, k: cfn, model, new_args, {}, 1), eager_new)
+    check("compile new inputs", lambda: run_sequence(cfn, model, new_args, start, 1), expected)
     with torch.no_grad():  # an optimizer step: parameters change in place, the program reads them anew
         for p in model.parameters():
             p.mul_(-0.5)
-    eager_updated = run_eager(model, args)
-    check("compile updated parameters", lambda: run_program(lambda f, a, k: cfn, model, args, {}, 1),
-          eager_updated)
+    expected = eager(make_args, 1)
+    if expected is None:
+        return
+    check("compile updated parameters", lambda: run_sequence(cfn, model, make_args, start, 1), expected)
+    start.reset()
     if not outcome.failures and cfn.stats.compiles != 1:
         outcome.failures.append(Failure("compile", "recompiled for the same signature",
                                         f"{cfn.stats.compiles} compiles for one signature"))

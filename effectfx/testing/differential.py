@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ class RunResult:
     grads: list[torch.Tensor | None]
     log: list[tuple]
     capture_log: list[tuple]
+    after: list[torch.Tensor] = field(default_factory=list)  # the arguments, then the state, after the call
 
 
 def _grad_outputs(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -111,6 +112,9 @@ def compare(name: str, eager: RunResult, got: RunResult, rtol: float = 1e-5, ato
         problems.append(f"gradients differ:\n  eager: {eager.grads}\n  {name}: {got.grads}")
     if not _close(eager.log, got.log, rtol, atol):
         problems.append(f"effect logs differ:\n  eager: {eager.log}\n  {name}: {got.log}")
+    if not _close(eager.after, got.after, rtol, atol):
+        problems.append(f"arguments or buffers differ after the call:\n  eager: {eager.after}\n"
+                        f"  {name}: {got.after}")
     if problems:
         raise EagerMismatch(f"[{name}] " + "\n".join(problems))
 
@@ -129,38 +133,83 @@ def check_against_eager(fn: Callable[..., Any], *args: Any, forms: tuple[str, ..
     return eager
 
 
+# -- code that updates its arguments or state in place (Note [Mutations]) --------------------------------
+def state_of(fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+    """The buffers of ``fn`` when it is a module (or a module's bound method): the state it may update."""
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    return tuple(module.buffers()) if isinstance(module, torch.nn.Module) else ()
+
+
+def fresh_args(args: tuple) -> Callable[[], tuple]:
+    """A ``make_args`` giving new copies of ``args`` (same values, same ``requires_grad``) on every call, so
+    a run that updates its arguments in place leaves the next run's alone."""
+
+    def make() -> tuple:
+        return tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                     for a in args)
+
+    return make
+
+
+class StartingState:
+    """The values ``state`` had when this was made: each system under comparison starts from them."""
+
+    def __init__(self, state: tuple[torch.Tensor, ...]) -> None:
+        self.state = tuple(state)
+        self.start = [t.detach().clone() for t in self.state]
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for t, s in zip(self.state, self.start):
+                t.copy_(s)
+
+    def unchanged(self) -> bool:
+        return all(torch.equal(t, s) for t, s in zip(self.state, self.start))
+
+
+def run_sequence(call: Callable[..., Any], fn: Callable[..., Any], make_args: Callable[[], tuple],
+                 start: StartingState, calls: int = 1) -> list[RunResult]:
+    """``call`` on ``calls`` fresh ``make_args()`` in turn, from ``start``'s state; each result holds the
+    arguments and the state after its call (``RunResult.after``).  Gradients are taken with respect to the
+    arguments and ``fn``'s parameters that require grad."""
+    start.reset()
+    results = []
+    for _ in range(calls):
+        args = make_args()
+        outs, grads, log = _run(lambda args=args: call(*args), _wrt(fn, args, {}))
+        after = [a.detach().clone() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+        after += [t.detach().clone() for t in start.state]
+        results.append(RunResult(outs, grads, log, [], after))
+    return results
+
+
+def run_form(name: str, build: Builder, fn: Callable[..., Any], make_args: Callable[[], tuple],
+             start: StartingState, calls: int = 1) -> list[RunResult]:
+    """Build ``fn`` with ``build`` from ``start``'s state (capturing must run no effect and change neither
+    the state nor its example arguments), then :func:`run_sequence` it."""
+    start.reset()
+    example = make_args()
+    before = [a.detach().clone() for a in tree_flatten(example)[0] if isinstance(a, torch.Tensor)]
+    with recording() as capture_log:
+        prog = build(fn, example, {})
+    args_unchanged = all(torch.equal(a, b) for a, b in
+                         zip([a for a in tree_flatten(example)[0] if isinstance(a, torch.Tensor)], before))
+    if capture_log or not start.unchanged() or not args_unchanged:
+        raise EagerMismatch(f"[{name}] capture ran effects ({capture_log}) or changed the state or its "
+                            f"arguments")
+    return run_sequence(prog, fn, make_args, start, calls)
+
+
 def check_mutations_against_eager(fn: Callable[..., Any], make_args: Callable[[], tuple],
                                   state: tuple[torch.Tensor, ...] = (), calls: int = 2) -> None:
     """For code that updates its arguments or ``state`` (buffers, tensors it closes over) in place
     (Note [Mutations]): eager, then every form and ``efx.compile``, each from the same starting ``state``
     and fresh ``make_args()``, ``calls`` times; outputs, gradients, effect logs, and the arguments and
     ``state`` after every call must equal eager's.  Capturing must change nothing."""
-    start = [t.detach().clone() for t in state]
-
-    def reset() -> None:
-        with torch.no_grad():
-            for t, s in zip(state, start):
-                t.copy_(s)
-
-    def sequence(call: Callable[..., Any]) -> list[RunResult]:
-        results = []
-        for _ in range(calls):
-            args = make_args()
-            outs, grads, log = _run(lambda args=args: call(*args), _wrt(fn, args, {}))
-            after = [a.detach().clone() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
-            results.append(RunResult([*outs, *after, *(t.detach().clone() for t in state)], grads, log, []))
-        return results
-
-    reset()
-    eager = sequence(fn)
+    start = StartingState(state)
+    eager = run_sequence(fn, fn, make_args, start, calls)
     builders: dict[str, Builder] = {**FORMS, "compile": lambda f, a, k: efx.compile(f)}
     for name, build in builders.items():
-        reset()
-        with recording() as capture_log:
-            prog = build(fn, make_args(), {})
-        unchanged = all(torch.equal(t, s) for t, s in zip(state, start))
-        if capture_log or not unchanged:
-            raise EagerMismatch(f"[{name}] capture ran effects ({capture_log}) or changed the state")
-        for i, (want, got) in enumerate(zip(eager, sequence(prog))):
+        for i, (want, got) in enumerate(zip(eager, run_form(name, build, fn, make_args, start, calls))):
             compare(f"{name} call {i + 1}", want, got)
-    reset()
+    start.reset()

@@ -7,8 +7,13 @@ updates of fresh intermediates, ``detach``, effect ops on the program's 1-3 keys
 registered, returns nothing), ``efxfuzz::logged`` (CompositeImplicitAutograd kernel), Python ``print``,
 and region calls: once, repeatedly, chained ``r(r(a))``, in a ``for`` loop, under ``torch.no_grad()``, or
 with the result unused; regions may take a number ``s`` and a list ``xs`` of tensors they read (and,
-rarely, change: such a program must be refused).  Region ``i`` may only call regions ``j > i`` and nesting
-is at most :data:`~effectfx.testing.program.MAX_DEPTH` deep, so there is no recursion.
+rarely, change: such a program must be refused).  Bodies on a module may update its buffers and run its
+BatchNorm, and read the state afterwards; any body may update an argument or an intermediate in place --
+only one that nothing aliases and no op saved for backward (the tensors eager would let change), and a
+region doing so is called on distinct such tensors of its caller, once at a time.  Rarely the root updates
+an input that is a leaf requiring grad: such a program must be refused.  Region ``i`` may only call
+regions ``j > i`` and nesting is at most :data:`~effectfx.testing.program.MAX_DEPTH` deep, so there is no
+recursion.
 
 The description and its source are ``effectfx.testing.program``; running and minimizing are
 ``effectfx.testing.checking``.
@@ -16,6 +21,7 @@ The description and its source are ``effectfx.testing.program``; running and min
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +31,15 @@ from hypothesis import strategies as st
 from .effect_ops import EFFECT_KEYS
 from .program import (
     BINARY,
+    BUFFER_READS,
+    BUFFERS,
     CALL_KINDS,
     CHANGES,
     EFFECT_OPS,
     ITEMS,
     MATMUL,
     MAX_DEPTH,
+    MUTATIONS,
     PRINTS,
     REDUCE,
     REGION_STYLES,
@@ -40,6 +49,7 @@ from .program import (
     ProgramSpec,
     RegionSpec,
     Stmt,
+    mutated_params,
 )
 
 
@@ -54,6 +64,35 @@ class _Context:
     scalar: bool = False  # the body has a number parameter ``s``
     list_len: int = 0  # the body has a list parameter ``xs`` of this many tensors
     changes: bool = False  # the body changes ``xs`` (the program must be refused)
+    state: bool = False  # the module has buffers the body may update and read
+    bn: bool = False  # ... and a BatchNorm1d it may run (in training)
+    mutable: frozenset[str] = frozenset()  # the parameters the body may update in place
+    leaves: tuple[str, ...] = ()  # parameters that are leaves requiring grad (updating one: refused)
+    # callee -> the positions of the parameters it updates in place
+    mutates: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict)
+
+
+# Updating a tensor in place is only generated where eager allows it: on a tensor that nothing aliases and
+# no op saved for backward.  Outputs of these ops are such fresh tensors ...
+def _fresh_output(s: Stmt) -> bool:
+    if s.kind == "unary":
+        return s.op not in ("tanh", "sigmoid", "relu")  # saved for their backward
+    if s.kind == "reduce":
+        return s.op != "softmax"
+    return s.kind in ("binary", "scalar", "inplace", "matmul", "bn") or (s.kind, s.op) == ("bufread", "use")
+
+
+# ... and these reads neither save nor alias what they read (the others make it no longer updatable)
+def _harmless_read(s: Stmt) -> bool:
+    if s.kind == "unary":
+        return s.op in ("neg", "half", "tanh", "sigmoid", "relu")
+    if s.kind == "binary":
+        return s.op != "mul"
+    if s.kind == "reduce":
+        return s.op in ("center", "colsum", "softmax")
+    if s.kind == "effect":
+        return s.op == "ping"
+    return s.kind in ("scalar", "inplace", "print", "buffer", "bufread", "mutate")
 
 
 _DATA_KINDS = ("unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar")
@@ -78,15 +117,31 @@ def _data_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], ou
 
 
 def _call_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], fresh: Any,
-               exclude: frozenset[str]) -> Stmt:
+               exclude: frozenset[str], updatable: list[str]) -> Stmt | None:
+    # a region updating its arguments is called once at a time (not chained, looped or under no_grad), on
+    # distinct updatable tensors of the caller; None when no region can be called
+    def fits(r: RegionSpec) -> bool:
+        written = ctx.mutates.get(r.name, frozenset())
+        return not written or (kind in ("call", "unused") and len(written) <= len(updatable) < len(names))
+
     eligible: list[RegionSpec] = []
     if kind in ("chain", "loop"):
-        eligible = [r for r in ctx.callees if len(r.body.params) == 1 and len(r.body.returns) == 1]
+        eligible = [r for r in ctx.callees
+                    if len(r.body.params) == 1 and len(r.body.returns) == 1 and fits(r)]
         if not eligible:
             kind = "call" if "call" not in exclude else "unused"
-    callee = draw(st.sampled_from(eligible if kind in ("chain", "loop") else ctx.callees))
-    args = tuple([a] + [draw(st.sampled_from(names)) for _ in callee.body.params[1:]])
-    items = tuple(draw(st.sampled_from(names)) for _ in range(callee.list_len))
+    candidates = eligible if kind in ("chain", "loop") else [r for r in ctx.callees if fits(r)]
+    if not candidates:
+        return None
+    callee = draw(st.sampled_from(candidates))
+    written = sorted(ctx.mutates.get(callee.name, frozenset()))
+    chosen = draw(st.lists(st.sampled_from(updatable), min_size=len(written), max_size=len(written),
+                           unique=True)) if written else []
+    others = [n for n in names if n not in chosen]
+    picked = iter(chosen)
+    args = tuple(next(picked) if i in written else a if i == 0 and a not in chosen
+                 else draw(st.sampled_from(others)) for i in range(len(callee.body.params)))
+    items = tuple(draw(st.sampled_from(others)) for _ in range(callee.list_len))
     if kind == "unused":
         outs: tuple[str, ...] = ()
     elif kind in ("chain", "loop"):
@@ -115,7 +170,12 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
         kinds += ["scalar", "scalar"]
     if ctx.list_len:
         kinds += ["item", "item", "item"]
+    if ctx.state:
+        kinds += ["buffer", "buffer", "bufread", "bufread"] + (["bn", "bn"] if ctx.bn else [])
+    kinds += ["mutate", "mutate"]
     kinds = [k for k in kinds if k not in exclude]
+    buffer_reads = sorted(op for op in BUFFER_READS if ctx.bn or not op.startswith("bn"))
+    updatable = [p for p in params if p in ctx.mutable]
     call_kinds = [k for k in CALL_KINDS if k not in exclude]
     effect_ops = [o for o in ctx.effect_ops if o[0] not in exclude] or ctx.effect_ops
     n = draw(st.integers(1, max_stmts))
@@ -124,7 +184,31 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
         kind = draw(st.sampled_from(call_kinds if i == 0 and ctx.callees and call_kinds else kinds))
         a = draw(st.sampled_from(names[::-1]))  # shrinks towards the newest value
         label = f"{ctx.name}.{i}"
-        if kind in _DATA_KINDS:
+        if kind == "mutate":
+            leaf = bool(ctx.leaves) and draw(st.integers(0, 19)) == 0  # eager refuses it: so must effectfx
+            if leaf or updatable:
+                own = [p for p in updatable if p in params]  # a region's own argument, half the time
+                pool = list(ctx.leaves) if leaf else own if own and draw(st.booleans()) else updatable[::-1]
+                target = draw(st.sampled_from(pool))
+                op = draw(st.sampled_from(sorted(MUTATIONS)))
+                others = [n for n in names if n != target]
+                if op == "add" and not others:
+                    op = "mul"
+                read = (draw(st.sampled_from(others[::-1])),) if op == "add" else ()
+                stmt = Stmt(kind, op, (target, *read), value=draw(st.sampled_from([2.0, 0.5, -1.0])))
+            else:
+                kind = "inplace"
+        elif kind == "buffer":
+            op = draw(st.sampled_from(sorted(BUFFERS)))
+            stmt = Stmt(kind, op, () if op == "count" else (a,))
+        elif kind == "bufread":
+            op = draw(st.sampled_from(buffer_reads))
+            stmt = Stmt(kind, op, (a,) if op == "use" else (), (next(fresh),) if op == "use" else (), label)
+        elif kind == "bn":
+            stmt = Stmt(kind, "bn", (a,), (next(fresh),))
+        if kind in ("mutate", "buffer", "bufread", "bn"):
+            pass
+        elif kind in _DATA_KINDS:
             stmt = _data_stmt(draw, kind, ctx, a, names, next(fresh))
         elif kind == "blocks":
             stmt = Stmt(kind, "blocks", (a,), (next(fresh),))
@@ -140,7 +224,12 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
             stmt = Stmt(kind, op, (a,) if op in TENSOR_EFFECTS else (), (next(fresh),) if has_out else (),
                         label, value)
         else:
-            stmt = _call_stmt(draw, kind, ctx, a, names, fresh, exclude)
+            call = _call_stmt(draw, kind, ctx, a, names, fresh, exclude, updatable)
+            stmt = call if call is not None else _data_stmt(draw, "unary", ctx, a, names, next(fresh))
+        if not _harmless_read(stmt):
+            updatable = [n for n in updatable if n not in stmt.args + stmt.items]
+        if _fresh_output(stmt):
+            updatable.extend(stmt.outs)
         names.extend(stmt.outs)
         stmts.append(stmt)
     if ctx.changes:  # the caller's list would not see this: effectfx refuses the program
@@ -150,11 +239,25 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
     return Body(params, tuple(stmts), returns)
 
 
+def _mutates(regions: list[RegionSpec]) -> dict[str, frozenset[int]]:
+    """Region name -> the positions of the parameters it updates in place."""
+    by_name = {r.name: r for r in regions}
+    return {r.name: frozenset(i for i, p in enumerate(r.body.params)
+                              if p in mutated_params(r.body, by_name.__getitem__)) for r in regions}
+
+
+def _state(draw: Any, module: bool, exclude: frozenset[str]) -> dict[str, bool]:
+    """Whether a body on a module updates and reads its buffers (a third of them), and runs its BatchNorm."""
+    state = module and "buffer" not in exclude and draw(st.integers(0, 2)) == 0
+    return {"state": state, "bn": state and "bn" not in exclude and draw(st.booleans())}
+
+
 @st.composite
 def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
              exclude: frozenset[str] | tuple[str, ...] = ()) -> ProgramSpec:
     """Hypothesis strategy for :class:`ProgramSpec`.  ``exclude`` names statement kinds (``"nograd"``,
-    ``"inplace"``, ``"print"``, ``"list"`` for list arguments, ``"change"`` for changing them, ...) or
+    ``"inplace"``, ``"print"``, ``"list"`` for list arguments, ``"change"`` for changing them, ``"buffer"``
+    for buffer updates, ``"bn"`` for BatchNorm, ``"mutate"`` for updating arguments in place, ...) or
     effect ops (``"scale"``, ``"logged"``, ...) that generated programs must not use."""
     exclude = frozenset(exclude)
     keys = tuple(sorted(draw(st.lists(st.sampled_from(EFFECT_KEYS), min_size=1, max_size=3, unique=True))))
@@ -176,9 +279,12 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
         scalar = "scalar" not in exclude and draw(st.booleans())
         list_len = 0 if "list" in exclude else draw(st.sampled_from([0, 0, 0, 1, 2, 3]))
         changes = bool(list_len) and "change" not in exclude and draw(st.integers(0, 9)) == 0
-        ctx = _Context(name, module_ref, consts + (params_w if module_ref else []), callees, effect_ops,
-                       scalar=scalar, list_len=list_len, changes=changes)
         n_params = draw(st.integers(1, 2))
+        mutates = _mutates(regions)
+        ctx = _Context(name, module_ref, consts + (params_w if module_ref else []), callees, effect_ops,
+                       scalar=scalar, list_len=list_len, changes=changes, mutates=mutates,
+                       mutable=frozenset(f"x{i}" for i in range(n_params)),
+                       **_state(draw, module_ref is not None, exclude))
         n_returns = draw(st.sampled_from([1, 1, 1, 2, 0]))
         body = draw(_body(ctx, tuple(f"x{i}" for i in range(n_params)), max_stmts, n_returns, exclude))
         heights[name] = 1 + max((heights[s.op] for s in body.stmts if s.kind in CALL_KINDS), default=0)
@@ -188,9 +294,13 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
     if "blocks" not in exclude and draw(st.booleans()):  # sub-modules sharing one region method
         blocks = tuple(draw(st.lists(st.booleans(), min_size=1, max_size=3)))
         callees = [r for r in regions if r.style == "function" and heights[r.name] < MAX_DEPTH - 1]
-        ctx = _Context("step", "self", consts + ["w"], callees, effect_ops)
+        ctx = _Context("step", "self", consts + ["w"], callees, effect_ops, mutates=_mutates(callees),
+                       **_state(draw, True, exclude))
         block_body = draw(_body(ctx, ("x0",), max_stmts, 1, exclude))
-    ctx = _Context("forward", "self", consts + params_w, list(regions), effect_ops, blocks=bool(blocks))
+    ctx = _Context("forward", "self", consts + params_w, list(regions), effect_ops, blocks=bool(blocks),
+                   mutates=_mutates(regions),
+                   mutable=frozenset(f"x{i}" for i, rg in enumerate(inputs) if not rg),
+                   leaves=tuple(f"x{i}" for i, rg in enumerate(inputs) if rg), **_state(draw, True, exclude))
     n_out = draw(st.integers(1, 2))
     forward = draw(_body(ctx, tuple(f"x{i}" for i in range(len(inputs))), max_stmts + 2, n_out, exclude))
     batch = draw(st.sampled_from([2, 3]))

@@ -8,6 +8,14 @@ exactly what ran.  A program is an ``nn.Module`` whose ``forward`` is the progra
 ``xs``, which it reads (``xs[-1]``, ``torch.stack(xs)``) or -- refused by effectfx, which says so --
 changes (``xs.append(v)``): :meth:`ProgramSpec.refusal` names the error such a program must raise.
 
+State is updated in place (Note [Mutations]): the program module and a ``Block`` get buffers (``buf``, a
+float vector, and ``calls``, an int64 counter) and a ``BatchNorm1d`` in training when a body on them uses
+them; bodies update them (a running average, a count, a copy), run the BatchNorm, and read the state
+afterwards (effect ops, prints, values).  A body may update a tensor argument or a fresh intermediate in
+place (``x.add_(v)``, ``x.mul_(2.0)``, through a view ``x[0].add_(1.0)``); a region updating its argument
+updates its caller's tensor, an intermediate with grad or an input.  Updating an input that is a leaf
+requiring grad is refused, by eager and effectfx alike.
+
 Every value has shape ``(B, D)``, so any op can feed any other.  How programs are drawn is
 ``effectfx.testing.generator``; how they are run against eager and minimized is ``effectfx.testing.checking``.
 """
@@ -65,6 +73,26 @@ PRINTS = {
 # reading the list argument ``xs`` (of ``RegionSpec.list_len`` tensors), and changing it (refused)
 ITEMS = {"index": "xs[{j}]", "stack": "torch.stack(xs).sum(0)"}
 CHANGES = {"append": "xs.append({a})", "setitem": "xs[0] = {a} * 1.0"}  # always a new object
+# the module's state (Note [Mutations]): ``{m}.buf`` (a float vector), ``{m}.calls`` (an int64 counter),
+# ``{m}.bn`` (a BatchNorm1d in training) -- of the program module, or of a Block for ``Block.step``
+BUFFERS = {  # updated in place; a running average of values that may require grad reads them detached
+    "ema": "{m}.buf.mul_(0.9).add_({a}.detach().mean(0) * 0.1)",
+    "count": "{m}.calls.add_(1)",
+    "copy": "{m}.buf.copy_({a}[0].detach())",
+}
+BUFFER_READS = {  # what reads the state after its updates: effect ops, prints, values
+    "ping": 'torch.ops.efxfuzz.ping({m}.buf * {m}.calls, "{label}")',
+    "print": 'print("{label}", {m}.buf, {m}.calls)',
+    "use": "{out} = {a} + {m}.buf * {m}.calls",
+    "bnstat": 'torch.ops.efxfuzz.ping({m}.bn.running_mean + {m}.bn.running_var, "{label}")',
+    "bnprint": 'print("{label}", {m}.bn.running_var, {m}.bn.num_batches_tracked)',
+}
+# updating a tensor argument (or a fresh intermediate) in place: {a} the updated tensor
+MUTATIONS = {
+    "add": "{a}.add_({b})",
+    "mul": "{a}.mul_({s})",
+    "view": "{a}[0].add_({s})",  # through a view: the base sees it
+}
 # effect ops by key: (name, template, has output); "ordered" ones may appear in any program
 EFFECT_OPS: dict[str, list[tuple[str, str, bool]]] = {
     "memory": [
@@ -95,7 +123,9 @@ class Stmt:
     """One statement of a body.
 
     kind: "unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar", "effect", "print", "item"
-    (reads the list argument), "change" (changes it), "blocks" or one of CALL_KINDS.  op: the table entry
+    (reads the list argument), "change" (changes it), "blocks", "buffer" (updates the module's state),
+    "bufread" (reads it), "bn" (the module's BatchNorm1d), "mutate" (updates ``args[0]`` in place) or one of
+    CALL_KINDS.  op: the table entry
     (or region name for calls, or effect op name); args: variables read; outs: variables assigned; label:
     effect or print label; value: scale factor / loop count / list index; weight: the matrix of a matmul
     ("w0" a module parameter, "C0" a closed-over constant); items: the list passed to a region taking one.
@@ -184,6 +214,20 @@ class ProgramSpec:
                 todo.extend(s.op for s in self._calls(self.region(name).body))
         return seen
 
+    def mutated(self, body: Body) -> set[str]:
+        """The parameters of ``body`` it updates in place, itself or through a region it calls."""
+        return mutated_params(body, self.region)
+
+    def stateful(self, bodies: tuple[Body | None, ...]) -> tuple[bool, bool]:
+        """Whether the module these bodies run on needs its buffers (``buf``, ``calls``) and its BatchNorm."""
+        stmts = [s for b in bodies if b is not None for s in b.stmts]
+        bn = any(s.kind == "bn" or s.op in ("bnstat", "bnprint") for s in stmts)
+        return any(s.kind in ("buffer", "bufread") and not s.op.startswith("bn") for s in stmts), bn
+
+    def module_bodies(self) -> tuple[Body, ...]:
+        """The bodies running on the program module (its ``forward`` and the regions taking it)."""
+        return (self.forward, *(r.body for r in self.regions if r.style != "function"))
+
     def arguments(self, body: Body) -> set[str]:
         """The names of a region's ``body`` that may be its caller's tensors: its parameters, items of its
         list, and what a region it calls hands back unchanged."""
@@ -202,7 +246,9 @@ class ProgramSpec:
         changes its list argument (the change would be lost, see ``check_containers_unchanged``)."""
         reached = self.reached()
         changes = any(s.kind == "change" for r in self.regions if r.name in reached for s in r.body.stmts)
-        return "UnsupportedMutationError" if changes else None
+        # updating an input that is a leaf requiring grad: eager refuses it, so must effectfx
+        leaves = {f"x{i}" for i, rg in enumerate(self.inputs) if rg}
+        return "UnsupportedMutationError" if changes or self.mutated(self.forward) & leaves else None
 
     def features(self) -> frozenset[str]:
         """What this program exercises (for coverage counts in the fuzz summary)."""
@@ -215,7 +261,7 @@ class ProgramSpec:
         for _, body in self.bodies():
             for s in body.stmts:
                 found.add(f"effect:{s.op}" if s.kind == "effect" else f"{s.kind}:{s.op}"
-                          if s.kind in ("print", "item", "change") else s.kind)
+                          if s.kind in ("print", "item", "change", "buffer", "bufread", "mutate") else s.kind)
                 if s.kind in CALL_KINDS:
                     calls[s.op] = calls.get(s.op, 0) + (int(s.value) if s.kind == "loop" else
                                                         2 if s.kind == "chain" else 1)
@@ -226,6 +272,17 @@ class ProgramSpec:
             found.add("list argument")
         if self.refusal():
             found.add("refused")
+        if self.mutated(self.forward):
+            found.add("input updated in place")
+        if any(self.mutated(r.body) for r in self.regions if r.name in self.reached()):
+            found.add("region updates its argument")
+        def updates(body: Body | None) -> bool:
+            return body is not None and any(s.kind in ("buffer", "bn") for s in body.stmts)
+
+        if any(updates(r.body) for r in self.regions if r.name in self.reached()):
+            found.add("region updates buffers")
+        if any(s.kind == "blocks" for s in self.forward.stmts) and updates(self.block_body):
+            found.add("blocks update their own buffers")
         numbers = {r.name: {s.s for _, b in self.bodies() for s in b.stmts if s.op == r.name}
                    for r in self.regions if r.scalar}
         if any(len(v) > 1 for v in numbers.values()):
@@ -246,6 +303,18 @@ class ProgramSpec:
         """Execute :meth:`source` in a fresh namespace: a new module class and new region objects every
         time.  ``variant`` picks different input values of the same signature."""
         return build_source(self.source(), variant, filename)
+
+
+def mutated_params(body: Body, region: Callable[[str], RegionSpec]) -> set[str]:
+    """The parameters of ``body`` it updates in place, itself or through a region it calls (``region``
+    looks a region up by name)."""
+    found = {s.args[0] for s in body.stmts if s.kind == "mutate"}
+    for s in body.stmts:
+        if s.kind in CALL_KINDS:
+            callee = region(s.op).body
+            written = mutated_params(callee, region)
+            found.update(a for a, p in zip(s.args, callee.params) if p in written)
+    return found & set(body.params)
 
 
 def _memo(fn: Callable[[str], int]) -> Callable[[str], int]:
@@ -312,6 +381,14 @@ def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: s
         # a region's argument is printed detached: eager would show the *caller's* grad_fn, which one body
         # shared by every call cannot know (effectfx warns; see UnfaithfulPrintWarning)
         return [PRINTS[s.op].format(label=s.label, p=f"{a}.detach()" if a in arguments else a)]
+    if s.kind == "buffer":
+        return [BUFFERS[s.op].format(m=module_ref, a=a)]
+    if s.kind == "bufread":
+        return [BUFFER_READS[s.op].format(m=module_ref, a=a, out=out, label=s.label)]
+    if s.kind == "bn":
+        return [f"{out} = {module_ref}.bn({a})"]
+    if s.kind == "mutate":
+        return [MUTATIONS[s.op].format(a=a, b=s.args[1] if len(s.args) > 1 else "", s=s.value)]
     if s.kind == "blocks":  # every sub-module's region method in turn: one body, N weights
         return [f"{out} = {a}", f"for blk in {module_ref}.blocks:", f"    {out} = blk.step({out})"]
     if s.kind == "effect":
@@ -347,6 +424,17 @@ def _params(r: RegionSpec, first: tuple[str, ...] = ()) -> str:
     return ", ".join(first + r.body.params + extra)
 
 
+def _state_lines(spec: ProgramSpec, bodies: tuple[Body | None, ...], indent: str) -> list[str]:
+    buffers, bn = spec.stateful(bodies)
+    lines = []
+    if buffers:
+        lines += [f'{indent}self.register_buffer("buf", torch.randn(D, generator=g))',
+                  f'{indent}self.register_buffer("calls", torch.zeros((), dtype=torch.int64))']
+    if bn:
+        lines.append(f"{indent}self.bn = torch.nn.BatchNorm1d(D)")
+    return lines
+
+
 def _render(spec: ProgramSpec) -> str:
     lines = [
         '"""A program generated by effectfx.testing.generator (python -m effectfx fuzz)."""',
@@ -372,7 +460,8 @@ def _render(spec: ProgramSpec) -> str:
         lines += ["", "", "class Block(torch.nn.Module):", "    def __init__(self, seed, requires_grad):",
                   "        super().__init__()", "        g = torch.Generator().manual_seed(seed)",
                   "        self.w = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
-                  "requires_grad=requires_grad)", "", "    @efx.region",
+                  "requires_grad=requires_grad)", *_state_lines(spec, (spec.block_body,), "        "),
+                  "", "    @efx.region",
                   f"    def step(self, {', '.join(spec.block_body.params)}):"]
         lines += _body_lines(spec, spec.block_body, "self", "        ")
     lines += ["", "", "class Fuzzed(torch.nn.Module):", "    def __init__(self):",
@@ -383,6 +472,7 @@ def _render(spec: ProgramSpec) -> str:
     for i, rg in enumerate(spec.weights):
         lines.append(f"        self.w{i} = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
                      f"requires_grad={rg})")
+    lines += _state_lines(spec, spec.module_bodies(), "        ")
     for r in spec.regions:
         if r.style == "method":
             lines += ["", "    @efx.region", f"    def {r.name}({_params(r, ('self',))}):"]
