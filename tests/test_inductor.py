@@ -63,6 +63,17 @@ def test_expanded_tangent() -> None:
     torch.testing.assert_close(x.grad, want, rtol=RTOL, atol=ATOL)
 
 
+def test_a_detached_input_is_a_new_tensor() -> None:
+    # Inductor returns an input as is for detach; eager returns a new tensor that requires no grad
+    def f(x):
+        return x.detach(), x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    detached, doubled = efx.compile(f, backend="inductor")(x)
+    assert detached is not x and not detached.requires_grad and torch.equal(detached, x)
+    check_inductor(f, x)
+
+
 def lowered_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """The body each region call site of ``gm`` runs, in call order."""
     return [getattr(gm, n.args[0].target) for n in gm.graph.nodes if n.target is ops.invoke_subgraph]

@@ -13,7 +13,8 @@ How (see Note [Effect tokens] for why order needs care):
      ``k``.  A pure node may go to any segment between the first in which all its inputs exist and the
      last before its first reader; :func:`_fewest_segments` picks the fewest segments.  Pure work moves
      (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
-     is therefore one segment.
+     is therefore one segment.  A segment of views only (a transpose, a detach) is not compiled: its
+     nodes run as they are.
   2. Each segment is compiled by ``torch._inductor.standalone_compile`` (aot_autograd's decompositions to
      core aten, then Inductor) on fake example inputs built from the capture's tensor metadata.  Compiled
      segments are cached for the process by their code and input metadata (:data:`SEGMENTS`), so a body
@@ -32,11 +33,14 @@ graph, and one failure loses the whole program.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import operator
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +114,7 @@ class InductorSegment(torch.nn.Module):
         artifact = self.compiled
         args = tuple(self._traced_layout(args))
         outs = artifact(*args)
+        run = lambda inputs: artifact(*inputs)  # noqa: E731
         direct = _compiled_graph(artifact)
         if direct is not None:
             try:
@@ -120,10 +125,25 @@ class InductorSegment(torch.nn.Module):
                     type(a) is type(b) and (not isinstance(a, torch.Tensor) or (
                         a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
                         and torch.equal(a, b))) for a, b in zip(mine, outs)):
-                self.run = direct
-                return outs
-        self.run = lambda inputs: artifact(*inputs)
+                run, outs = direct, mine
+        # Inductor hands an input back as an output where the op was an alias (detach, a no-op view);
+        # an aten op never does: that output would be the caller's tensor itself, requiring grad
+        inputs = {id(a) for a in args}
+        returned = [k for k, o in enumerate(outs) if id(o) in inputs]
+        if returned:
+            self.run = lambda inputs, run=run: _fresh(run(inputs), returned)
+            return _fresh(outs, returned)
+        self.run = run
         return outs
+
+
+def _fresh(outs: Any, indices: list[int]) -> list[Any]:
+    """``outs`` with the tensors at ``indices`` replaced by new aliases (graphs run without autograd, so
+    the alias requires no grad, as eager's detach or view would not in the same place)."""
+    outs = list(outs)
+    for k in indices:
+        outs[k] = outs[k].detach()
+    return outs
 
 
 def _compiled_graph(artifact: Any) -> Any:
@@ -191,6 +211,20 @@ def artifact_path(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> Path:
     return Path(cache_dir()) / "effectfx" / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
 
 
+@contextlib.contextmanager
+def _quiet_unsaveable() -> Iterator[None]:
+    """Silence standalone_compile's warning that it has nothing to save (a graph that compiles to no
+    kernel): on stderr it would interleave with the program's own output; the next process compiles such
+    a segment again from Inductor's caches instead of loading our artifact."""
+    logger = logging.getLogger("torch._inductor.standalone_compile")
+    quiet = lambda record: "cannot save" not in record.getMessage()  # noqa: E731
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
     """``torch._inductor.standalone_compile`` (aot_autograd's decompositions, then Inductor) of one segment,
     saved as a ``CompiledArtifact`` that a later process loads in milliseconds instead of tracing and
@@ -211,7 +245,7 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str
     try:
         with fake_mode:
             examples = [_example(m) for m in inputs]
-        with torch.no_grad():  # the inference path: segments run with grad disabled
+        with torch.no_grad(), _quiet_unsaveable():  # the inference path: segments run without grad
             artifact = standalone_compile(source, examples, dynamic_shapes="from_example_inputs",
                                           fake_mode=fake_mode)
     except Exception as e:  # any Inductor failure: run the aten graph instead
@@ -373,6 +407,10 @@ class _Lowering:
         outputs = [n for n in members if any(u not in inside for u in n.users)]
         if not outputs:
             return False  # nothing outside reads it: pure dead code
+        if all(n.target is operator.getitem or n.target.is_view for n in members):
+            for node in members:  # views only (a transpose, a detach): nothing to compile, run them
+                env[node] = new.node_copy(node, lambda n: env[n])
+            return False
         # canonical names (created, not copied): the same code is the same cache key wherever it occurs
         graph = fx.Graph()
         local: dict[fx.Node, fx.Node] = {}
