@@ -283,6 +283,21 @@ def test_gpt2_three_training_steps() -> None:
         assert all(s.compiled is not None for s in segments(bodies[0]))
 
 
+@pytest.mark.slow
+def test_fuzzer_sample(tmp_path: Path) -> None:
+    """Generated programs (nested regions, several keys, no_grad, backward effects, prints) through
+    efx.compile with the Inductor backend: outputs, gradients and effect logs as eager's."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "effectfx", "fuzz", "--programs", "12", "--seed", "3",
+                           "--backend", "inductor", "--forms", "token-free", "--out", str(tmp_path),
+                           "--max-repros", "1", "--shrink-seconds", "30"],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "mismatches         : 0" in done.stdout
+
+
 # -- fallbacks and refusals -------------------------------------------------------------------------------
 def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.MonkeyPatch,
                                                            tmp_path: Path) -> None:
