@@ -192,7 +192,7 @@ def _to_hop(gm: fx.GraphModule, memo: dict[int, fx.GraphModule]) -> fx.GraphModu
 def hop_lowering(prog: Any) -> Any:
     """Token-free Program -> one whose root is a single Inductor-compiled call of the whole graph."""
     from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.compile_fx import _recursive_record_user_visible_output_idxs, compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -211,6 +211,8 @@ def hop_lowering(prog: Any) -> Any:
             examples = [_example(m) for m in metas]
         decomposed = make_fx(_to_hop(gm, {}), decomposition_table=select_decomp_table(),
                              tracing_mode="fake")(*examples)
+        # as torch.compile's own path does: body outputs keep their traced strides (compile_fx.py)
+        _recursive_record_user_visible_output_idxs(decomposed)
         inner = compile_fx_inner(decomposed, examples)
     whole = InductorSegment(decomposed, lambda *args: inner(list(args)), metas)  # boxed convention
     graph, holder = fx.Graph(), torch.nn.Module()
