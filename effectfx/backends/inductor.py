@@ -188,7 +188,7 @@ class CacheStats:
     fallbacks: int = 0  # segments run un-compiled
 
 
-SEGMENTS: dict[tuple, tuple[Any, str | None]] = {}  # (code, input metadata) -> (compiled or None, reason)
+SEGMENTS: dict[tuple, tuple[Any, str | None]] = {}  # _key(segment) -> (compiled or None, why not)
 STATS = CacheStats()
 _LOCK = threading.Lock()  # one Inductor compile at a time (Inductor's state is global)
 ARTIFACT_FORMAT = 1  # bump when what a saved artifact means changes
@@ -206,7 +206,7 @@ def artifact_path(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> Path:
     from torch._inductor import config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    key = repr((ARTIFACT_FORMAT, torch.__version__, source.code, inputs, inductor_config.get_hash(),
+    key = repr((ARTIFACT_FORMAT, torch.__version__, _key(source, inputs), inductor_config.get_hash(),
                 torch._functorch.config.get_hash()))
     return Path(cache_dir()) / "effectfx" / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
 
@@ -263,9 +263,16 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str
     return artifact, None
 
 
+def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
+    """What a segment's compiled code depends on: its code, the objects that code names (FX writes some
+    arguments as globals, not literals) and its inputs' metadata."""
+    code = source.graph.python_code("self")
+    return code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
+
+
 def compiled_segment(source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> InductorSegment:
     """The segment ``source`` (canonical names, see ``_Lowering.segment``), compiled once per process."""
-    key = (source.code, inputs)
+    key = _key(source, inputs)
     with _LOCK:
         found = SEGMENTS.get(key)
         if found is None:
