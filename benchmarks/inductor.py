@@ -1,21 +1,6 @@
 """effectfx's Inductor backend beside torch.compile and eager: first call (fresh and warm Inductor caches)
-and the steady-state training step, for a stack of N transformer-style blocks (N = 2, 16) and GPT-2.
-
-Models (same weights in every system; each block/layer first calls the effect op ``efxbench::record``):
-
-* ``stack``: N blocks of ``x + fc2(gelu(fc1(layer_norm(x))))``, width 64 (fc 256), input (8, 32, 64);
-  training: ``out.pow(2).mean().backward()``;
-* ``gpt2``: ``transformers``' GPT2LMHeadModel, 12 layers, hidden 64, 4 heads, vocab 100, random weights
-  (``effectfx.testing.hf.gpt2_config``), input ids (4, 32); training: ``model(ids, labels=ids).loss``.
-
-Systems: ``eager``; ``efx`` = ``efx.compile(model, backend="inductor")`` (each region body compiled once,
-:mod:`effectfx.backends.inductor`); ``efx_hop`` = the same capture handed to torch's own Inductor lowering
-of ``invoke_subgraph`` (:func:`hop_lowering`: one ``compile_fx_inner`` per root graph, bodies lowered once
-inside it) -- the alternative the backend was chosen against; ``tc`` = ``torch.compile(model,
-backend="inductor")`` on plain blocks; ``tc_ncr`` = the same with ``torch.compiler.nested_compile_region``
-blocks; ``*_pure``: the same model without the effect op (torch.compile fails on some effectful
-configurations; its effect-free run then stands in, marked ``*``).  Blocks are marked once per system (one
-class per marker and effect).
+and the steady-state training step, for a stack of N transformer-style blocks (N = 2, 16) and GPT-2; the
+models and systems are in :mod:`benchmarks.inductor_systems`.
 
 First call = capture + compile + first forward and backward, each measured in its own subprocess whose
 ``TORCHINDUCTOR_CACHE_DIR`` is a fresh temporary directory ("fresh"), or the directory a fresh ``efx`` /
@@ -35,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import operator
 import os
 import random
 import subprocess
@@ -50,185 +34,19 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.fx as fx  # noqa: E402
 
 import effectfx as efx  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks import inductor_systems as defs  # noqa: E402
 from benchmarks.common import LOG, median  # noqa: E402
+from benchmarks.inductor_systems import SYSTEMS, build, check, compiled, register_hop_backend  # noqa: E402
 
 NAME = "inductor"
-WIDTH, BATCH, SEQ = 64, 8, 32
-GPT2_LAYERS, GPT2_BATCH = 12, 4
-# system -> (how it is compiled, how its blocks are marked, whether they call the effect op)
-SYSTEMS: dict[str, tuple[str, str, bool]] = {
-    "eager": ("eager", "eager", True),
-    "eager_pure": ("eager", "eager", False),
-    "efx": ("efx", "efx", True),
-    "efx_hop": ("efx_hop", "efx", True),
-    "efx_pure": ("efx", "efx", False),
-    "tc": ("tc", "eager", True),
-    "tc_ncr": ("tc", "tc", True),
-    "tc_pure": ("tc", "eager", False),  # torch.compile fails on some effectful configurations (results)
-    "tc_ncr_pure": ("tc", "tc", False),
-}
 FIRST_CALL = ("efx", "efx_hop", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
 WARM = ("efx", "tc", "tc_pure")  # also measured in a second process on the cache the first filled
-FULL = {"configs": [("stack", 2), ("stack", 16), ("gpt2", GPT2_LAYERS)], "reps": 3, "budget_s": 20.0,
+FULL = {"configs": [("stack", 2), ("stack", 16), ("gpt2", defs.GPT2_LAYERS)], "reps": 3, "budget_s": 20.0,
         "systems": FIRST_CALL}
 QUICK = {"configs": [("stack", 2)], "reps": 1, "budget_s": 2.0, "systems": ("efx", "tc_pure")}
-
-
-# -- models ----------------------------------------------------------------------------------------------
-class BlockBase(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(width)
-        self.fc1 = torch.nn.Linear(width, 4 * width)
-        self.fc2 = torch.nn.Linear(4 * width, width)
-
-
-def _block(self: BlockBase, x: torch.Tensor) -> torch.Tensor:
-    torch.ops.efxbench.record("block")
-    return _block_pure(self, x)
-
-
-def _block_pure(self: BlockBase, x: torch.Tensor) -> torch.Tensor:
-    return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
-
-
-class LayerBase(torch.nn.Module):
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-
-def _layer(self: LayerBase, *args: Any, **kwargs: Any) -> Any:
-    torch.ops.efxbench.record("layer")  # a literal: torch.compile would specialize on a per-layer string
-    return self.layer(*args, **kwargs)
-
-
-def _layer_pure(self: LayerBase, *args: Any, **kwargs: Any) -> Any:
-    return self.layer(*args, **kwargs)
-
-
-def _classes(base: type, name: str, effect: Callable, pure: Callable) -> dict[tuple[str, bool], type]:
-    """One class per (marker, effects): each system sees its own marker and nothing else."""
-    return {(m, e): type(f"{name}_{m}{'' if e else '_pure'}", (base,),
-                         {"forward": mark(effect if e else pure)})
-            for m, mark in common.MARKERS.items() for e in (True, False)}
-
-
-BLOCKS = _classes(BlockBase, "Block", _block, _block_pure)
-LAYERS = _classes(LayerBase, "Layer", _layer, _layer_pure)
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, n: int, marker: str, effects: bool) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(BLOCKS[marker, effects](WIDTH) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def build(model: str, n: int, system: str) -> tuple[torch.nn.Module, Callable[[Any], torch.Tensor]]:
-    """(module, the loss of one call of ``f`` on the input) for ``system``: the same weights for all."""
-    _, marker, effects = SYSTEMS[system]
-    torch.manual_seed(0)
-    if model == "stack":
-        module: torch.nn.Module = Stack(n, marker, effects)
-        x = torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(1))
-        return module, lambda f: f(x).pow(2).mean()
-    import transformers
-
-    from effectfx.testing import hf
-
-    config = hf.gpt2_config()
-    config.n_layer = n
-    module = transformers.GPT2LMHeadModel(config)
-    module.loss_type = "ForCausalLM"
-    layers = module.transformer.h
-    for i, layer in enumerate(layers):
-        layers[i] = LAYERS[marker, effects](layer)
-    ids = torch.randint(0, hf.VOCAB, (GPT2_BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return module, lambda f: f(ids, labels=ids).loss
-
-
-def compiled(system: str, module: torch.nn.Module) -> Callable[..., Any]:
-    how = SYSTEMS[system][0]
-    if how == "eager":
-        return module
-    if how in ("efx", "efx_hop"):
-        return efx.compile(module, backend="inductor" if how == "efx" else "inductor_hop")
-    return torch.compile(module, backend="inductor")
-
-
-# -- the alternative: torch's Inductor lowering of invoke_subgraph ------------------------------------------
-def _to_hop(gm: fx.GraphModule, memo: dict[int, fx.GraphModule]) -> fx.GraphModule:
-    """A copy of a token-free graph calling torch's ``invoke_subgraph`` higher-order op (bodies recursively,
-    each once).  Effects stay plain op calls: Inductor keeps them as side-effecting fallback kernels
-    because ``efxbench::record`` is also in torch's effect registry (common.py)."""
-    from effectfx import ops
-
-    if id(gm) not in memo:
-        graph, env, root = fx.Graph(), {}, torch.nn.Module()
-        for node in gm.graph.nodes:
-            if node.op == "get_attr":
-                setattr(root, node.target, _to_hop(getattr(gm, node.target), memo))
-                env[node] = graph.get_attr(node.target)
-            elif node.target is ops.invoke_subgraph:
-                env[node] = graph.call_function(torch.ops.higher_order.invoke_subgraph,
-                                                fx.map_arg(node.args, lambda n: env[n]))
-            elif node.op == "output":
-                graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
-            else:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-        memo[id(gm)] = fx.GraphModule(root, graph)
-    return memo[id(gm)]
-
-
-def hop_lowering(prog: Any) -> Any:
-    """Token-free Program -> one whose root is a single Inductor-compiled call of the whole graph."""
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import _recursive_record_user_visible_output_idxs, compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from effectfx.backends.inductor import InductorSegment, _example, _meta
-
-    gm = prog.graph_module
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    metas = tuple(_meta(n.meta["val"]) for n in placeholders)
-    # as the backend does: one fake mode with a shape environment (Inductor's FX graph cache needs it);
-    # the tracing context's invoke_subgraph cache makes every call site of one identifier share a body
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    with tracing(TracingContext(fake_mode)), torch.no_grad():
-        with fake_mode:
-            examples = [_example(m) for m in metas]
-        decomposed = make_fx(_to_hop(gm, {}), decomposition_table=select_decomp_table(),
-                             tracing_mode="fake")(*examples)
-        # as torch.compile's own path does: body outputs keep their traced strides (compile_fx.py)
-        _recursive_record_user_visible_output_idxs(decomposed)
-        inner = compile_fx_inner(decomposed, examples)
-    whole = InductorSegment(decomposed, lambda *args: inner(list(args)), metas)  # boxed convention
-    graph, holder = fx.Graph(), torch.nn.Module()
-    holder.whole = whole
-    call = graph.call_module("whole", tuple(graph.placeholder(n.name) for n in placeholders))
-    n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-    graph.output(tuple(graph.call_function(operator.getitem, (call, i)) for i in range(n_out)))
-    return prog.replace(graph_module=fx.GraphModule(holder, graph))
-
-
-def _register_hop_backend() -> None:
-    from effectfx.functionalize import thread_tokens
-    from effectfx.passes.remove_tokens import remove_effect_tokens_pass
-    from effectfx.runtime.compile import BACKEND_PASSES
-
-    BACKEND_PASSES["inductor_hop"] = [thread_tokens, remove_effect_tokens_pass, hop_lowering]
 
 
 # -- one first call, in a subprocess -----------------------------------------------------------------------
@@ -272,25 +90,10 @@ def _warm_up() -> None:
     common.freeze_heap()
 
 
-def _check(model: str, n: int, system: str, module: torch.nn.Module, loss: torch.Tensor) -> dict[str, Any]:
-    """The loss and every parameter's gradient against eager's (the same model without a compiler)."""
-    reference, loss_of = build(model, n, "eager" if SYSTEMS[system][2] else "eager_pure")
-    want = loss_of(reference)
-    want.backward()
-    grads = dict(reference.named_parameters())
-    diffs = [float((loss.detach() - want.detach()).abs())]
-    for name, p in module.named_parameters():
-        ref = grads[name].grad
-        if ref is not None:  # a missing gradient is infinitely wrong
-            diffs.append(float((p.grad - ref).abs().max() / (ref.abs().max() + 1e-12)) if p.grad is not None
-                         else float("inf"))
-    return {"max_rel_diff": max(diffs), "ok": max(diffs) < 1e-3}
-
-
 def first_call(model: str, n: int, system: str) -> dict[str, Any]:
     """Measure one first call in this process (a subprocess of the benchmark: see ``--child``)."""
     torch.set_num_threads(1)
-    _register_hop_backend()
+    register_hop_backend()
     start = time.perf_counter()
     _warm_up()
     warmup_s = time.perf_counter() - start
@@ -308,7 +111,7 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
     effects = len(LOG)
     result = {"status": "ok", "wall_s": wall, "cpu_s": cpu, "warmup_s": warmup_s, "effects": effects,
               "effects_expected": n if SYSTEMS[system][2] else 0}
-    result.update(_check(model, n, system, module, loss))
+    result.update(check(model, n, system, module, loss))
     if system == "efx":
         from effectfx.backends import inductor
 
@@ -330,7 +133,7 @@ def _child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:
 def steady_state(model: str, n: int, budget_s: float) -> dict[str, Any]:
     """Training step of every system, interleaved in shuffled order; medians (ms)."""
     torch.set_num_threads(1)
-    _register_hop_backend()
+    register_hop_backend()
     steps: dict[str, Callable[[], None]] = {}
     status: dict[str, str] = {}
     for system in SYSTEMS:
@@ -348,13 +151,13 @@ def steady_state(model: str, n: int, budget_s: float) -> dict[str, Any]:
             step()
             loss = loss_of(f)
             loss.backward()
-            check = _check(model, n, system, module, loss)  # fast but wrong is not a result
+            verdict = check(model, n, system, module, loss)  # fast but wrong is not a result
             step()
         except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
             status[system] = f"{type(e).__name__}: {str(e)[:300]}"
             continue
-        if not check["ok"]:
-            status[system] = f"wrong results: max relative difference {check['max_rel_diff']:.2g} from eager"
+        if not verdict["ok"]:
+            status[system] = f"wrong results: max rel. difference {verdict['max_rel_diff']:.2g} from eager"
             continue
         status[system] = "ok"
         steps[system] = step
@@ -365,17 +168,20 @@ def steady_state(model: str, n: int, budget_s: float) -> dict[str, Any]:
         calls[system] = max(1, int(0.02 / max(time.perf_counter() - t, 1e-6)))
     common.freeze_heap()
     samples: dict[str, list[float]] = {system: [] for system in steps}
+    cpu: dict[str, list[float]] = {system: [] for system in steps}  # one thread, no children: process time
     end, rounds = time.perf_counter() + budget_s, 0
     while time.perf_counter() < end or rounds < 3:
         order = list(steps)
         random.shuffle(order)
         for system in order:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in range(calls[system]):
                 steps[system]()
             samples[system].append((time.perf_counter() - t) / calls[system])
+            cpu[system].append((time.process_time() - c) / calls[system])
         rounds += 1
     return {"status": status, "step_ms": {k: median(v) * 1e3 for k, v in samples.items()}, "rounds": rounds,
+            "step_cpu_ms": {k: median(v) * 1e3 for k, v in cpu.items()},
             "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()}}
 
 
@@ -408,8 +214,8 @@ def run(quick: bool = False, reps: int | None = None) -> dict[str, Any]:
     data = {"machine": common.machine_info(),
             "config": {"quick": quick, "reps": reps, "configs": configs, "budget_s": cfg["budget_s"],
                        "systems": {k: SYSTEMS[k] for k in systems},
-                       "stack": {"width": WIDTH, "batch": BATCH, "seq": SEQ},
-                       "gpt2": {"layers": GPT2_LAYERS, "batch": GPT2_BATCH, "seq": SEQ}},
+                       "stack": {"width": defs.WIDTH, "batch": defs.BATCH, "seq": defs.SEQ},
+                       "gpt2": {"layers": defs.GPT2_LAYERS, "batch": defs.GPT2_BATCH, "seq": defs.SEQ}},
             "first_call": first, "steady_state": steady}
     data["summary"] = summarize(data)
     return data
@@ -434,7 +240,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                            "warmup_s": median([r["warmup_s"] for v in first.values() for r in v
                                                if "warmup_s" in r])}
     for tag, st in steady.items():
-        ms = st.get("step_ms", {})
+        ms, cms = st.get("step_ms", {}), st.get("step_cpu_ms", {})
         s: dict[str, Any] = {"efx_first_s": wall.get(f"{tag}/efx/fresh"),
                              "efx_first_cpu_s": cpu.get(f"{tag}/efx/fresh"),
                              "efx_warm_s": wall.get(f"{tag}/efx/warm"),
@@ -447,7 +253,9 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             used = other if other in ms else f"{other}_pure"
             s[f"step_{other}_used"] = used
             s[f"step_efx_over_{other}"] = _div(ms.get("efx"), ms.get(used))
+            s[f"step_efx_over_{other}_cpu"] = _div(cms.get("efx"), cms.get(used))
         s["step_efx_over_eager"] = _div(ms.get("efx"), ms.get("eager"))
+        s["step_efx_over_eager_cpu"] = _div(cms.get("efx"), cms.get("eager"))
         s["step_tc_over_eager"] = _div(ms.get(s["step_tc_used"]), ms.get("eager"))
         out[tag] = s
     out["efx_growth_stack_2_to_16"] = _div(wall.get("stack/16/efx/fresh"), wall.get("stack/2/efx/fresh"))
@@ -475,22 +283,21 @@ def table(data: dict[str, Any]) -> str:
             common.format_table(["model/N/system/cache", "wall", "cpu", "ok", "vs eager", "failure"], rows)]
     rows = []
     for tag, st in data["steady_state"].items():
-        ms = st.get("step_ms", {})
-        rows.append([tag, *[_f(ms.get(k), "") for k in SYSTEMS]])
-        for k, v in st.get("status", {}).items():
-            if v != "ok":
-                text_fail = f"  {tag} {k}: {v[:100]}"
-                rows.append([text_fail, *[""] * len(SYSTEMS)])
-    text += ["", "training step, median ms (interleaved)", common.format_table(["model/N", *SYSTEMS], rows)]
+        ms, cms = st.get("step_ms", {}), st.get("step_cpu_ms", {})
+        rows.append([tag, *[f"{_f(ms.get(k), '')} / {_f(cms.get(k), '')}" for k in SYSTEMS]])
+        rows += [[f"  {tag} {k}: {v[:100]}", *[""] * len(SYSTEMS)] for k, v in st.get("status", {}).items()
+                 if v != "ok"]
+    text += ["", "training step, median ms, wall / CPU (interleaved)",
+             common.format_table(["model/N", *SYSTEMS], rows)]
     rows = []
     for tag in data["steady_state"]:
         s = summary[tag]
         rows.append([tag, _f(s["efx_first_s"], " s"), _f(s["efx_warm_s"], " s"),
                      *[f"{_f(s[f'first_{o}_over_efx'], 'x')} / {_f(s[f'first_{o}_over_efx_cpu'], 'x')}"
                        + ("*" if s[f"first_{o}_used"] != o else "") for o in ("tc_ncr", "tc", "efx_hop")],
-                     _f(s["step_efx_over_eager"], "x"),
-                     _f(s["step_efx_over_tc"], "x") + ("*" if s["step_tc_used"] != "tc" else ""),
-                     _f(s["step_efx_over_efx_hop"], "x")])
+                     *[f"{_f(s[f'step_efx_over_{o}'], 'x')} / {_f(s[f'step_efx_over_{o}_cpu'], 'x')}"
+                       + ("*" if s.get(f"step_{o}_used", o) != o else "")
+                       for o in ("eager", "tc", "efx_hop")]])
     text += ["", "ratios (first call: other / effectfx, wall / CPU; step: effectfx / other; "
              "* = torch.compile failed with effects, its effect-free run stands in)",
              common.format_table(["model/N", "efx first", "efx warm", "tc_ncr/efx", "tc/efx", "efx_hop/efx",
@@ -500,14 +307,70 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(text)
 
 
+def plot(data: dict[str, Any], path: Path) -> Path:
+    """First call (fresh caches, log scale; CPU as ticks) and training step / eager, per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, tags = data["summary"], list(data["steady_state"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    bars = [("efx", "fresh", "effectfx"), ("efx", "warm", "effectfx, warm cache"),
+            ("efx_hop", "fresh", "effectfx, HOP lowering"), ("tc_ncr", "fresh", "torch.compile + ncr"),
+            ("tc", "fresh", "torch.compile")]
+    w = 0.8 / len(bars)
+    for k, (system, cache, label) in enumerate(bars):
+        xs, wall, cpu = [], [], []
+        for x, tag in enumerate(tags):
+            used = summary[tag].get(f"first_{system}_used", system)
+            if summary["first_call_s"].get(f"{tag}/{used}/{cache}") is not None:
+                xs.append(x + (k - len(bars) / 2 + 0.5) * w)
+                wall.append(summary["first_call_s"][f"{tag}/{used}/{cache}"])
+                cpu.append(summary["first_call_cpu_s"][f"{tag}/{used}/{cache}"])
+        left.bar(xs, wall, w, color=f"C{k}", label=label)
+        left.scatter(xs, cpu, marker="_", s=60, color="k", zorder=5, label="CPU time" if k == 0 else None)
+    left.set_yscale("log")
+    left.set_ylabel("s (median, log scale)")
+    left.set_title("first call: compile + forward + backward (fresh process)", fontsize=10)
+    for k, (system, _, label) in enumerate(b for b in bars if b[1] == "fresh"):
+        xs, ratio = [], []
+        for x, tag in enumerate(tags):
+            ms = data["steady_state"][tag].get("step_ms", {})
+            used = system if system in ms else f"{system}_pure"
+            if used in ms and ms.get("eager"):
+                xs.append(x + (k - 1.5) * 0.2)
+                ratio.append(ms[used] / ms["eager"])
+        right.bar(xs, ratio, 0.2, color=f"C{[0, 2, 3, 4][k]}", label=label)
+    right.axhline(1.0, color="k", lw=0.8)
+    right.axhline(0.95, color="k", lw=0.8, ls="--", label="target 0.95x")
+    right.set_ylabel("training step / eager's (median wall)")
+    right.set_title("steady-state training step", fontsize=10)
+    for ax in (left, right):
+        ax.set_xticks(range(len(tags)))
+        ax.set_xticklabels(tags)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    title = "effectfx's Inductor backend vs torch.compile (inductor), 1 thread"
+    return common.save_figure(fig, title, data, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="stack N=2 only, one repetition, short budget")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every first call")
     parser.add_argument("--out", type=Path, default=None,
                         help="where inductor.json goes (default: results/, or results/quick/ with --quick)")
+    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                        help="redraw the table and PNG (next to JSON) from a run's JSON; no measuring")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plot_only is not None:
+        data = json.loads(args.plot_only.read_text())
+        data["summary"] = summarize(data)
+        print(table(data))
+        print("wrote", common.replace_atomically(args.plot_only.with_suffix(".png"), lambda p: plot(data, p)))
+        return 0
     if args.child:
         spec = json.loads(args.child)
         if spec["mode"] == "first":
@@ -517,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, default=str))
         return 0
     data = run(args.quick, args.reps)
-    path = common.write_json(data, common.output_dir(args.out, args.quick), NAME)
+    out = common.output_dir(args.out, args.quick)
+    path = common.write_json(data, out, NAME)
     print(table(data))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path}", common.replace_atomically(out / f"{NAME}.png", lambda p: plot(data, p)))
     return 0
 
 
