@@ -203,10 +203,14 @@ def node_effect_keys(node: Any) -> frozenset[str]:
         inner = node.args[1]
         if inner is ops.invoke_subgraph:
             return _body_keys(node, 2)
+        if inner in ops.CONTROL_FLOW:
+            return _subgraph_keys(node)
         key = effect_of(inner)
         return frozenset([key]) if key else frozenset()
     if target is ops.invoke_subgraph:
         return _body_keys(node, 0)
+    if target in ops.CONTROL_FLOW:
+        return _subgraph_keys(node)
     key = effect_of(target)
     return frozenset([key]) if key else frozenset()
 
@@ -215,6 +219,15 @@ def _body_keys(node: Any, attr_index: int) -> frozenset[str]:
     attr = node.args[attr_index]
     body = getattr(node.graph.owning_module, attr.target)
     return graph_effect_keys(body)
+
+
+def _subgraph_keys(node: Any) -> frozenset[str]:
+    """The keys of the subgraphs a control-flow node runs (Note [Control flow])."""
+    keys: frozenset[str] = frozenset()
+    for a in node.args:
+        if getattr(a, "op", None) == "get_attr":
+            keys |= graph_effect_keys(getattr(node.graph.owning_module, a.target))
+    return keys
 
 
 def graph_effect_keys(gm: Any) -> frozenset[str]:

@@ -45,6 +45,36 @@ def sink_tokens(tokens: Any) -> None:
     return None
 
 
+# -- control flow (Note [Control flow]): the subgraphs are GraphModules; tokens lead the carried values --
+def cond(pred: Any, true_graph: Any, false_graph: Any, operands: Any) -> tuple:
+    """Run one branch, chosen at run time by ``pred`` (a one-element tensor)."""
+    return tuple((true_graph if pred else false_graph).forward(*operands))
+
+
+def while_loop(cond_graph: Any, body_graph: Any, carried: Any, additional: Any) -> tuple:
+    """``while cond_graph(*carried, *additional)[-1]: carried = body_graph(*carried, *additional)``; with no
+    iteration the carried tensors come back as copies, as eager's while_loop returns them."""
+    values, ran = tuple(carried), False
+    while cond_graph.forward(*values, *additional)[-1]:
+        values, ran = tuple(body_graph.forward(*values, *additional)), True
+    return values if ran else tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in values)
+
+
+def scan(combine_graph: Any, init: Any, xs: Any, additional: Any) -> tuple:
+    """``combine_graph(*carry, *slices, *additional) -> (*carry, *ys)`` along dim 0 of ``xs``; returns the
+    last carry and the ``ys`` stacked."""
+    carry, n_carry, steps = tuple(init), len(init), []
+    for i in range(xs[0].shape[0]):
+        out = combine_graph.forward(*carry, *[x[i] for x in xs], *additional)
+        carry = tuple(out[:n_carry])
+        steps.append(out[n_carry:])
+    return (*carry, *(torch.stack([s[j] for s in steps]) for j in range(len(steps[0]))))
+
+
+CONTROL_FLOW = (cond, while_loop, scan)
+
+for _f in (cond, while_loop, scan):
+    _f.__module__ = "effectfx.ops"
 invoke_subgraph.__module__ = "effectfx.ops"
 with_effects.__module__ = "effectfx.ops"
 make_token.__module__ = "effectfx.ops"

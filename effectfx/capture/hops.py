@@ -26,3 +26,7 @@ def _print_under_tracer(mode: Tracer, format_str: str, *args: Any, **kwargs: Any
     # eager's kernel, under the tracer: its built-in ``print`` is the capture's (python_print)
     with mode:
         print_impl(format_str, *args, **kwargs)
+
+
+# torch.cond, while_loop, scan and flex_attention: taken over before dispatch (see each module)
+from . import control_flow  # noqa: E402, F401

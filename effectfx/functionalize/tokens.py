@@ -18,9 +18,11 @@ from typing import Any
 import torch.fx as fx
 
 from .. import ops
+from ..capture.meta import mask_text
 from ..capture.source import definition
 from ..effects import effect_of, graph_effect_keys
 from ..errors import RegionEffectsChangedError
+from ..passes import control_flow
 from ..passes.rewrite import GraphContext, GraphRewrite, Results, get_attr, returns_single_value
 from ..runtime.printing import subgraphs
 from ..runtime.program import Program, RegionEntry
@@ -33,6 +35,8 @@ def check_region_effects(gm: fx.GraphModule, keys: frozenset[str], commits: list
     if info is None:
         return
     region, cache_key, identifier, direction = info
+    if "effectfx_grad_outputs" in gm.meta:  # a partial backward has effects of its own
+        direction += " for outputs " + mask_text(gm.meta["effectfx_grad_outputs"])
     known = region.known_effects.get((cache_key, direction))
     if known is not None and known != keys:
         changed = known ^ keys
@@ -62,6 +66,8 @@ class ThreadTokens(GraphRewrite):
     def __init__(self) -> None:
         super().__init__("captured")
         self.rules = {ops.invoke_subgraph: self.invoke_subgraph, operator.getitem: self.getitem}
+        for op in ops.CONTROL_FLOW:  # Note [Control flow]
+            self.rules[op] = lambda ctx, node: control_flow.thread(ctx, node, self.token, self._thread)
         self.effects: dict[str, frozenset[str]] = {}  # identifier -> keys
         self.commits: list[tuple[Any, Any, frozenset[str]]] = []
 

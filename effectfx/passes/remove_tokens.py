@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..runtime.program import Program
+from . import control_flow
 from .pipeline import run_passes
 from .rewrite import TOKEN, GraphContext, GraphRewrite, Results, boundary_keys, returns_single_value
 
@@ -46,6 +47,8 @@ class RemoveTokens(GraphRewrite):
             ops.sink_tokens: lambda ctx, node: None,
             operator.getitem: self.getitem,
         }
+        for op in ops.CONTROL_FLOW:  # Note [Control flow]
+            self.rules[op] = lambda ctx, node: control_flow.remove(ctx, node, self.form)
 
     def placeholder(self, ctx: GraphContext, node: fx.Node, index: int) -> Any:
         return TOKEN if index < len(ctx.keys) else ctx.copy(node)

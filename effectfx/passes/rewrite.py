@@ -28,13 +28,13 @@ class EffectCodeGen(fx.graph.CodeGen):
     ``with_effects(token, invoke_subgraph, ...)``); stock FX prints a plain function argument as its repr,
     which is not Python."""
 
-    _FUNCTION_REPR = re.compile(r"<function invoke_subgraph at 0x[0-9a-fA-F]+>")
+    _FUNCTION_REPR = re.compile(r"<function (invoke_subgraph|cond|while_loop|scan) at 0x[0-9a-fA-F]+>")
 
     def _gen_python_code(self, *args: Any, **kwargs: Any) -> Any:
         code = super()._gen_python_code(*args, **kwargs)
-        if self._FUNCTION_REPR.search(code.src):
-            code.src = self._FUNCTION_REPR.sub("effectfx_ops_invoke_subgraph", code.src)
-            code.globals["effectfx_ops_invoke_subgraph"] = ops.invoke_subgraph
+        for name in set(self._FUNCTION_REPR.findall(code.src)):  # control flow: Note [Control flow]
+            code.globals[f"effectfx_ops_{name}"] = getattr(ops, name)
+        code.src = self._FUNCTION_REPR.sub(lambda m: f"effectfx_ops_{m.group(1)}", code.src)
         return code
 
 

@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..runtime.program import Program
+from . import control_flow
 from .pipeline import run_passes
 from .rewrite import GraphContext, GraphRewrite, Results, boundary_keys
 
@@ -49,6 +50,8 @@ class UnliftTokens(GraphRewrite):
     def __init__(self, form: str) -> None:
         super().__init__(form)
         self.rules = {ops.invoke_subgraph: self.invoke_subgraph, operator.getitem: self.getitem}
+        for op in ops.CONTROL_FLOW:  # Note [Control flow]
+            self.rules[op] = lambda ctx, node: control_flow.unlift(ctx, node, self.form)
 
     def placeholder(self, ctx: GraphContext, node: fx.Node, index: int) -> Any:
         return None if index < len(ctx.keys) else ctx.copy(node)  # tokens: made in ``begin``

@@ -27,7 +27,9 @@ import torch.fx as fx
 from .. import ops
 from ..effects import effect_of
 from ..errors import VerificationError
+from ..runtime.printing import control_flow_graphs
 from ..runtime.program import Program, TrainingProgram
+from . import control_flow
 from .rewrite import boundary_keys, get_attr, region_call
 
 _TOKEN_OPS = (ops.with_effects, ops.make_token, ops.sink_tokens)
@@ -126,7 +128,7 @@ class _Verifier:
         self.after = after
         self.done: set[int] = set()
         self.keys_memo: dict[int, frozenset[str]] = {}
-        self.bodies: dict[str, int] = {}  # identifier -> id(body)
+        self.bodies: dict[tuple, int] = {}  # (identifier, direction) -> id(body)
 
     def fail(self, gm: fx.GraphModule, where: str, node: fx.Node | None, problem: str, fix: str) -> None:
         after = f" after pass {self.after!r}" if self.after else ""
@@ -151,6 +153,9 @@ class _Verifier:
     def node_keys(self, gm: fx.GraphModule, node: fx.Node) -> frozenset[str]:
         if node.op != "call_function":
             return frozenset()
+        attrs = control_flow_graphs(node)
+        if attrs:  # Note [Control flow]: every key any of its subgraphs performs
+            return frozenset().union(*(self.keys_of(get_attr(gm, a.target)) for a in attrs))
         found = region_call(node)
         if found is not None:
             attr = found[1][0]
@@ -168,9 +173,16 @@ class _Verifier:
                       "only the functionalized form has tokens at the root's boundary")
         self.graph(root, "the root graph", keys)
 
-    def graph(self, gm: fx.GraphModule, where: str, keys: tuple[str, ...]) -> None:
+    def graph(self, gm: fx.GraphModule, where: str, keys: tuple[str, ...], subgraph: bool = False) -> None:
         self.done.add(id(gm))
         wanted = tuple(sorted(self.keys_of(gm)))
+        # control flow: tokens of keys the subgraph does not perform pass through (Note [Control flow])
+        if subgraph and self.form in ("functionalized", "unlifted"):
+            if not set(wanted) <= set(gm.meta.get(control_flow.META, ())):
+                _GraphCheck(self, gm, where, wanted).fail(
+                    None, f"the subgraph performs {list(wanted)} but its boundary lists "
+                          f"{list(gm.meta.get(control_flow.META, ()))}.", "run thread_tokens again")
+            wanted = tuple(gm.meta.get(control_flow.META, ()))
         check = _GraphCheck(self, gm, where, wanted)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if self.form == "functionalized":
@@ -206,6 +218,8 @@ class _Verifier:
                 made += 1
             elif target is ops.sink_tokens:
                 check.finish(node.args[0], node, "sink_tokens")
+            elif control_flow.cf_target(node) is not None:
+                self.control_flow(check, gm, node)
             elif target is ops.with_effects:
                 self.with_effects(check, gm, node)
             elif target is ops.invoke_subgraph:
@@ -234,6 +248,8 @@ class _Verifier:
             allowed = list(node.args[2:2 + len(boundary_keys(body, self.form))])
         elif node.target in (ops.sink_tokens, operator.getitem):
             return
+        else:
+            allowed = control_flow.allowed_tokens(node, check.gm, self.form)
         for inp in node.all_input_nodes:
             if inp in check.key_of and inp not in allowed:
                 check.fail(node, f"token {inp.name} is used as data.", "tokens only flow between effects")
@@ -246,6 +262,22 @@ class _Verifier:
         for out in outs[n:]:
             if isinstance(out, fx.Node) and out in check.key_of:
                 check.fail(node, f"token {out.name} is returned as data.", "tokens only flow between effects")
+
+    def control_flow(self, check: _GraphCheck, gm: fx.GraphModule, node: fx.Node) -> None:
+        wrapped = node.target is ops.with_effects
+        if wrapped and self.form != "unlifted":
+            check.fail(node, "a wrapped control-flow call outside the unlifted form.",
+                       "in the functionalized form control flow takes its tokens as operands")
+        keys = control_flow.verify_node(self, check, gm, node, wrapped)
+        if wrapped:
+            token = node.args[0]
+            tokens = list(token) if isinstance(token, (tuple, list)) else [token]
+            if len(keys) != len(tokens):
+                check.fail(node, f"the subgraphs have effect keys {list(keys)} but the call passes "
+                                 f"{len(tokens)} token(s).", "pass the tokens of its keys (sorted)")
+            for key, t in zip(keys, tokens):
+                check.consume(t, key, node)
+            check.expect(node, 0, keys[0] if len(keys) == 1 else tuple(keys))  # type: ignore[arg-type]
 
     def with_effects(self, check: _GraphCheck, gm: fx.GraphModule, node: fx.Node) -> None:
         if len(node.args) < 2:
@@ -281,7 +313,10 @@ class _Verifier:
         body = get_attr(gm, attr.target)
         if not isinstance(body, fx.GraphModule):
             check.fail(node, f"{attr.target} is not a graph module.", "call a traced region body")
-        if self.bodies.setdefault(identifier, id(body)) != id(body):
+        # a cond's backward branch calls a region's forward and backward body (Note [Control flow])
+        direction = (body.meta.get("effectfx_region", (None,) * 4)[3]
+                     if isinstance(body, fx.GraphModule) else None)
+        if self.bodies.setdefault((identifier, direction), id(body)) != id(body):
             check.fail(node, f"identifier {identifier!r} names two different subgraphs.",
                        "one identifier is one traced body (Note [Region identity])")
         keys = tuple(sorted(self.keys_of(body)))

@@ -15,6 +15,9 @@ _GLOBALS = {
     "effectfx_ops_with_effects": "effectfx.ops.with_effects",
     "effectfx_ops_make_token": "effectfx.ops.make_token",
     "effectfx_ops_sink_tokens": "effectfx.ops.sink_tokens",
+    "effectfx_ops_cond": "effectfx.ops.cond",
+    "effectfx_ops_while_loop": "effectfx.ops.while_loop",
+    "effectfx_ops_scan": "effectfx.ops.scan",
 }
 _GLOBAL_RE = re.compile("|".join(_GLOBALS))
 _DIRECT_RE = re.compile(r"\b(_op\d+_\w+)\(")
@@ -37,8 +40,23 @@ def graph_code(gm: fx.GraphModule, name: str = "forward") -> str:
     return "\n".join(lines)
 
 
-def subgraphs(gm: fx.GraphModule) -> Iterator[tuple[str, str, fx.GraphModule]]:
-    """Every region subgraph reachable from ``gm``, once each, depth first: (attr, identifier, module)."""
+def control_flow_graphs(node: fx.Node) -> list[fx.Node]:
+    """The get_attr nodes of the subgraphs a control-flow node runs (Note [Control flow]), else []."""
+    if node.op != "call_function":
+        return []
+    args = node.args
+    if node.target is ops.with_effects and len(args) > 1:
+        target, args = args[1], args[2:]
+    else:
+        target = node.target
+    if target not in ops.CONTROL_FLOW:
+        return []
+    return [a for a in args if isinstance(a, fx.Node) and a.op == "get_attr"]
+
+
+def nested_graphs(gm: fx.GraphModule, regions_only: bool = True) -> Iterator[tuple[str, str, fx.GraphModule]]:
+    """Every subgraph reachable from ``gm``, once each, depth first: (attr, identifier, module).  Region
+    bodies, and with ``regions_only=False`` also the subgraphs of control flow (identifier: their attr)."""
     seen: set[int] = set()
 
     def visit(owner: fx.GraphModule) -> Iterator[tuple[str, str, fx.GraphModule]]:
@@ -49,6 +67,13 @@ def subgraphs(gm: fx.GraphModule) -> Iterator[tuple[str, str, fx.GraphModule]]:
             if node.target is ops.with_effects and len(args) > 1 and args[1] is ops.invoke_subgraph:
                 args = args[2:]
             elif node.target is not ops.invoke_subgraph:
+                for attr in control_flow_graphs(node):
+                    body = getattr(owner, attr.target)
+                    if id(body) not in seen:
+                        seen.add(id(body))
+                        if not regions_only:
+                            yield attr.target, attr.target, body
+                        yield from visit(body)
                 continue
             body = getattr(owner, args[0].target)
             if id(body) in seen:
@@ -60,8 +85,15 @@ def subgraphs(gm: fx.GraphModule) -> Iterator[tuple[str, str, fx.GraphModule]]:
     yield from visit(gm)
 
 
+def subgraphs(gm: fx.GraphModule) -> Iterator[tuple[str, str, fx.GraphModule]]:
+    """Every region subgraph reachable from ``gm`` (inside control flow too), once each, depth first:
+    (attr, identifier, module)."""
+    return nested_graphs(gm)
+
+
 def program_text(gm: fx.GraphModule, title: str = "") -> str:
     parts = [f"# {title}" if title else "", graph_code(gm)]
-    for attr, identifier, body in subgraphs(gm):
-        parts.append(f"\n# {attr}: '{identifier}'\n" + graph_code(body, attr))
+    for attr, identifier, body in nested_graphs(gm, regions_only=False):
+        label = f"'{identifier}'" if identifier != attr else "control flow (Note [Control flow])"
+        parts.append(f"\n# {attr}: {label}\n" + graph_code(body, attr))
     return "\n".join(p for p in parts if p)

@@ -20,7 +20,8 @@ Format (version 1): a zip file with two members.
     NODE    = {"name", "op": placeholder|get_attr|call_function|output, "target": TARGET, "args": [VALUE],
                "kwargs": {str: VALUE}, "val": META | null}
     TARGET  = "aten::add.Tensor" (an operator by qualified name and overload) | "operator.getitem" |
-              "effectfx.ops.invoke_subgraph" | attribute / placeholder name
+              "effectfx.ops.invoke_subgraph" | "effectfx.ops.cond" | "effectfx.ops.while_loop" |
+              "effectfx.ops.scan" | attribute / placeholder name
     VALUE   = null | bool | int | float | str | [VALUE] (a list) | {"tuple": [VALUE]} | {"node": name} |
               {"float": "inf"|"-inf"|"nan"} | {"dtype": "float32"} | {"device": "cpu"} |
               {"layout": "strided"} | {"memory_format": "contiguous_format"}
@@ -62,6 +63,10 @@ VERSION = 1
 PYTHON_TARGETS: dict[str, Any] = {
     "operator.getitem": operator.getitem,
     "effectfx.ops.invoke_subgraph": ops.invoke_subgraph,
+    # control flow (Note [Control flow]): subgraphs are get_attr nodes, operands tuples of nodes
+    "effectfx.ops.cond": ops.cond,
+    "effectfx.ops.while_loop": ops.while_loop,
+    "effectfx.ops.scan": ops.scan,
 }
 _PYTHON_NAMES = {id(v): k for k, v in PYTHON_TARGETS.items()}
 _ENUMS: dict[str, tuple[type, dict[str, Any]]] = {
