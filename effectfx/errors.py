@@ -35,6 +35,10 @@ class UnsupportedOperatorError(CaptureError):
     """An operator effectfx cannot capture yet (higher-order ops: ``torch.cond``, ``while_loop``, ...)."""
 
 
+class UnsupportedParallelWrapperError(CaptureError):
+    """A module wrapped by ``DistributedDataParallel`` or ``fully_shard``: its logic lives outside forward."""
+
+
 class RegionRecursionError(CaptureError):
     """A region called itself while being traced."""
 

@@ -16,6 +16,7 @@ from .. import regions as _regions
 from ..runtime.printing import subgraphs
 from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
 from . import hops  # noqa: F401  (the tracer's rules for higher-order ops)
+from .collectives import refuse_parallel_wrappers
 from .dynamo_frames import frames_forgotten
 from .meta import OperandSource
 from .python_print import capture_prints
@@ -66,6 +67,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
     scope = Scope(tracer, "root", param_names=_param_names(fn))
     # the root's reads: guards of a compiled program, by identity (Note [Region identity])
     reads = Reads(tracer.watcher, structural=False)
+    refuse_parallel_wrappers(fn, leaves)  # DDP, FSDP2: before anything runs
     owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     with _active(tracer), recording(reads):
         for obj in (owner, *leaves):

@@ -26,6 +26,7 @@ from ..errors import (
     MissingFakeImplError,
     UnsupportedMutationError,
 )
+from .collectives import COLLECTIVE_NAMESPACES, record_collective
 from .composite import CompositeEffects
 from .graph_builder import GraphBuilder
 from .labels import LabelMode, has_sentinel, resolve_labels
@@ -187,6 +188,10 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.recording or func in _PASSTHROUGH:
             return func(*args, **kwargs)
+        if func.namespace in COLLECTIVE_NAMESPACES:  # per-group ordered effects (collectives.py)
+            out = record_collective(self, func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if func in _DATA_DEPENDENT:
             raise DataDependentControlFlowError(
                 f"{self.where()} uses the value of a tensor in Python ({func}) at {user_location()}.\n"
