@@ -177,3 +177,54 @@ def test_cond_training_matches_eager(x) -> None:
     model = Gated()
     check_against_eager(model, x.clone().requires_grad_(True))
     check_against_eager(model, x.clone())
+
+
+# -- flex_attention (issue 13 item 2) ------------------------------------------------------------------
+def _relative(score, b, h, q, kv):
+    return score + (q - kv) * 0.1
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+@efx.region
+def attention(q, k, v):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    R.record_memory("attention")
+    return flex_attention(q, k, v, score_mod=_relative)
+
+
+def two_layers(q, k, v):
+    return attention(attention(q, k, v), k, v)
+
+
+def masked(q, k, v):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = create_block_mask(_causal, 1, 1, 16, 16, device="cpu")
+    return flex_attention(q, k, v, score_mod=_relative, block_mask=mask)
+
+
+QKV = tuple(randn(1, 2, 16, 8, seed=s) for s in (3, 4, 5))
+
+
+def test_flex_attention_in_regions_matches_eager() -> None:
+    check_against_eager(two_layers, *QKV)
+    prog = efx.capture(two_layers, *QKV)
+    assert list(prog.region_traces) == ["subgraph_0"]  # one body for both layers
+
+
+def test_flex_attention_with_a_block_mask_matches_eager() -> None:
+    check_against_eager(masked, *QKV)
+
+
+def test_flex_attention_training_is_refused_where_eager_refuses() -> None:
+    q = QKV[0].clone().requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        two_layers(q, *QKV[1:])
+    with recording() as log, pytest.raises(efx.UnsupportedOperatorError, match="region 'attention'") as info:
+        efx.capture(two_layers, q, *QKV[1:])
+    assert "test_control_flow.py" in str(info.value) and "backward on CPU" in str(info.value)
+    assert log == []

@@ -1,8 +1,8 @@
 """Turning torch's failures on things effectfx cannot capture yet into errors that name them.
 
-Higher-order ops (``torch.cond``, ``while_loop``, ``scan``, ``flex_attention``) have no rule for effectfx's
-tracer (``effectfx.capture.hops`` holds the rules there are), so torch raises a bare ``NotImplementedError``
-from deep inside its dispatcher -- or, when the op's autograd rule runs first (``scan`` on a tensor that
+Higher-order ops without a rule for effectfx's tracer (``map``; ``effectfx.capture.hops`` lists those
+effectfx captures: print, cond, while_loop, scan, flex_attention) make torch raise a bare ``NotImplementedError``
+from deep inside its dispatcher -- or, when the op's autograd rule runs first (``map`` on a tensor that
 requires grad), whatever that rule trips over.  This module recognizes both and raises
 :class:`UnsupportedOperatorError` naming the op and the user's line instead.
 
@@ -18,13 +18,7 @@ from ..errors import EffectfxError, UnsupportedOperatorError
 from .source import user_location
 
 _ADVICE = {
-    "cond": "compute both branches and select with torch.where, or decide outside the captured function",
-    "while_loop": "unroll the loop in Python (its trip count must then be known), or run it outside the "
-                  "captured function",
-    "scan": "unroll the loop in Python, or run it outside the captured function",
-    "map": "call the function on each slice in a Python loop, or run it outside the captured function",
-    "flex_attention": "use torch.nn.functional.scaled_dot_product_attention with an attention mask, or run "
-                      "it outside the captured function",
+    "map_impl": "call the function on each slice in a Python loop, or run it outside the captured function",
 }
 
 
