@@ -29,5 +29,4 @@ def _print_under_tracer(mode: Tracer, format_str: str, *args: Any, **kwargs: Any
 
 
 # torch.cond, while_loop, scan and flex_attention: taken over before dispatch (see each module)
-from . import control_flow  # noqa: E402, F401
-from . import flex  # noqa: E402, F401
+from . import control_flow, flex  # noqa: E402, F401

@@ -1,10 +1,10 @@
 """Turning torch's failures on things effectfx cannot capture yet into errors that name them.
 
 Higher-order ops without a rule for effectfx's tracer (``map``; ``effectfx.capture.hops`` lists those
-effectfx captures: print, cond, while_loop, scan, flex_attention) make torch raise a bare ``NotImplementedError``
-from deep inside its dispatcher -- or, when the op's autograd rule runs first (``map`` on a tensor that
-requires grad), whatever that rule trips over.  This module recognizes both and raises
-:class:`UnsupportedOperatorError` naming the op and the user's line instead.
+effectfx captures: print, cond, while_loop, scan, flex_attention) make torch raise a bare
+``NotImplementedError`` from deep inside its dispatcher -- or, when the op's autograd rule runs first
+(``map`` on a tensor that requires grad), whatever that rule trips over.  This module recognizes both and
+raises :class:`UnsupportedOperatorError` naming the op and the user's line instead.
 
 A refused capture leaves torch usable: eager ``torch.cond`` and friends run through ``torch.compile``, and
 the frames Dynamo saw during the capture are forgotten when it ends (``effectfx.capture.dynamo_frames``).
