@@ -83,6 +83,22 @@ site a ``RegionCall`` autograd function emits the forward call, and its ``backwa
 call when the enclosing trace runs its backward phase.  Forward effects therefore land in forward graphs
 only, and effects raised by autograd formulas land in backward graphs, in the engine's order.
 
+Note [Partial backward]
+~~~~~~~~~~~~~~~~~~~~~~~
+Eager's engine runs only the autograd formulas reachable from the outputs that got a gradient: the
+formulas (and the effects inside them) of an output nothing used never run, and an input only such an
+output reaches keeps ``grad is None``.  One backward graph over zero tangents would run them, so the
+backward of a traced graph is *per set of outputs that got a gradient*.  Both autograd functions that run
+a traced graph -- ``RegionCall`` (a region's call site, during capture) and the one of a compiled training
+program (at run time) -- take their gradients unmaterialized; when some are missing they call the
+backward for exactly the outputs that got one, which is traced once per set: the code is traced again
+(same arguments, same grad mode and autocast) with ``torch.autograd.grad`` over those outputs only, and
+that trace's backward is kept; its forward is dropped.  The traces run the same forward, so the values
+the new backward reads are found among the saved values of the first by node name (and metadata); a
+mismatch is an error, never a guess.  A region's such backward is a subgraph of its own
+(``<body>_backward_01``: which outputs, in order), with the body's identifier.  A compiled program checks
+its guards before tracing again; a loaded program cannot trace and refuses with ``PartialBackwardError``.
+
 Note [Mutations]
 ~~~~~~~~~~~~~~~~
 Graphs are functional: an in-place op is recorded as a functional op whose result is the new value of
@@ -105,4 +121,37 @@ When the written tensor is an input of the graph (an argument, a module's buffer
 An input that requires grad is a leaf of the trace's autograd; user code gets a clone with history when the
 caller's tensor is not a leaf, so in-place updates of intermediates differentiate as in eager.  Updating a
 leaf that requires grad is refused, as eager refuses it; so is updating an operand another operand aliases.
+Note [Control flow]
+~~~~~~~~~~~~~~~~~~~
+``torch.cond``, ``while_loop`` and ``scan`` in captured code are taken over before torch dispatches them
+(``effectfx.capture.control_flow``): each function is traced by the tracer itself into a subgraph held by
+the calling graph, and one node runs it at run time, so the predicate and the trip count are run-time values
+and only the branch taken runs its effects:
+
+  ``effectfx.ops.cond(pred, true_graph, false_graph, operands) -> (*outs)``
+  ``effectfx.ops.while_loop(cond_graph, body_graph, carried, additional) -> (*carried)``
+  ``effectfx.ops.scan(combine_graph, init, xs, additional) -> (*carry, *stacked ys)``
+
+A subgraph's inputs are the op's operands, then every tensor of an enclosing graph its function reads,
+lifted as extra operands (the subgraphs of one op take the same inputs).  Tokens, as JAX threads them
+through its cond and while: let K be the sorted keys any subgraph of the node performs (regions inside
+included).  Every subgraph of the node takes and returns the tokens of all of K -- a subgraph with no effect
+on a key passes its token through, so the branches share one signature, and a while_loop's condition (which
+may not perform effects) takes and hands back the body's tokens -- and the node carries them in front of one
+tuple argument and of its results:
+
+  ``cond(pred, t, f, (*tokens, *operands)) -> (*tokens, *outs)``
+  ``while_loop(c, b, (*tokens, *carried), additional) -> (*tokens, *carried)``: loop-carried values, whose
+  condition graph returns ``(*tokens, pred)`` (the predicate is the last result);
+  ``scan(g, (*tokens, *init), xs, additional) -> (*tokens, *carry, *ys)``: part of the carry.
+
+``gm.meta["effectfx_control_flow"]`` holds K on each subgraph through every pass.  The unlifted form wraps
+the node as it wraps a region call (``with_effects(token(s), effectfx.ops.cond, ...)``) and each subgraph
+makes and sinks its own tokens; the token-free form drops them.
+
+Under autograd, ``cond`` is an autograd node whose backward is a second cond over backward branches; as
+eager's cond does, each backward branch recomputes its forward (its effects run again, in backward) and then
+gives a gradient for every input that requires grad (zeros where the branch does not use it).  ``while_loop``
+and ``scan`` on tensors that require grad are refused: eager's backward reruns the loop body with its
+effects (while_loop) or drops the body's effects (scan).
 """
