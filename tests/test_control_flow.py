@@ -9,6 +9,8 @@ are run-time values.  Golden tests pin the token convention in branches and loop
 
 from __future__ import annotations
 
+import os
+import pathlib
 import tempfile
 import textwrap
 
@@ -228,3 +230,42 @@ def test_flex_attention_training_is_refused_where_eager_refuses() -> None:
         efx.capture(two_layers, q, *QKV[1:])
     assert "test_control_flow.py" in str(info.value) and "backward on CPU" in str(info.value)
     assert log == []
+
+
+# -- golden graphs of the token convention (Note [Control flow]) -------------------------------------------
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "control_flow"
+
+
+def _loop_two_keys(i, x):
+    def body(i, x):
+        R.record_stdout("body")
+        return i + 1, x * 2
+
+    R.record_memory("before")
+    return while_loop(lambda i, x: i < 3, body, (i, x))
+
+
+GOLDEN_CASES = {
+    # both branches take and return both tokens; the true branch passes 'stdout' through, the false 'memory'
+    "cond": (branches_with_effects, lambda: (POS,)),
+    # the region inside the true branch threads the branch's token; the false branch passes it through
+    "cond_region": (region_in_branch, lambda: (POS,)),
+    # tokens are loop-carried in front of the carried values; the condition takes them and hands them back
+    "while_loop": (_loop_two_keys, lambda: (torch.tensor(0), randn(3))),
+    # tokens are part of scan's carry, in front of the user's carry
+    "scan": (cumulative, lambda: (torch.zeros(3), randn(4, 3))),
+}
+
+
+@pytest.mark.parametrize("form", ["functionalized", "unlifted", "token-free"])
+@pytest.mark.parametrize("case", list(GOLDEN_CASES))
+def test_golden(case: str, form: str) -> None:
+    """Normalized graph text (``Program.code()``); ``EFFECTFX_WRITE_GOLDEN=1`` rewrites the files."""
+    fn, args = GOLDEN_CASES[case]
+    prog = FORMS[form](fn, args(), {})
+    efx.verify(prog)
+    path = GOLDEN / f"{case}.{form}.txt"
+    if os.environ.get("EFFECTFX_WRITE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prog.code() + "\n")
+    assert prog.code().strip() == path.read_text().strip()
