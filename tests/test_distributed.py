@@ -9,6 +9,8 @@ collectives it issued (``CollectiveLog``).  A hang fails the run after a timeout
 # ruff: noqa: E501  (golden graph text has long lines)
 from __future__ import annotations
 
+import re
+import textwrap
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -16,10 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import effectfx as efx
-from effectfx.testing import recording
+from effectfx.testing import check_against_eager, check_mutations_against_eager, recording
+from effectfx.testing.differential import fresh_args
 from effectfx.testing.distributed import CollectiveLog, run_ranks
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -126,6 +130,179 @@ def _flat(values: list[Any]) -> list[torch.Tensor]:
     return [t for v in values for t in (v if isinstance(v, list) else [v])]
 
 
+# -- the token structure (golden) -------------------------------------------------------------------------
+@efx.region
+def reduced_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    torch.ops.efxtest.record_memory("block")
+    y = x @ w
+    dist.all_reduce(y)
+    return y.relu()
+
+
+def golden_program(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = reduced_block(reduced_block(x, w), w)
+    return funcol.all_reduce(y, "sum", dist.group.WORLD) + 1
+
+
+def scenario_golden(rank: int, world: int) -> tuple[tuple[str, ...], str]:
+    prog = efx.capture(golden_program, torch.ones(2, 4), torch.ones(4, 4))
+    return prog.token_keys, prog.code()
+
+
+# -- every form, at the root and in regions, c10d and functional collectives ----------------------------------
+@efx.region
+def gathers(x: torch.Tensor) -> torch.Tensor:
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x * 2)
+    out = torch.empty(x.shape[0] * dist.get_world_size(), *x.shape[1:])
+    dist.all_gather_into_tensor(out, x)
+    torch.ops.efxtest.log_tensor(out, "gathered")
+    return torch.cat(pieces) + out
+
+
+def many_collectives(x: torch.Tensor) -> torch.Tensor:
+    y = x * (dist.get_rank() + 1)
+    dist.broadcast(y, src=1)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    z = funcol.all_gather_tensor(y, 0, dist.group.WORLD)
+    z = funcol.reduce_scatter_tensor(z * 3, "sum", 0, dist.group.WORLD)
+    out = torch.empty(x.shape[0], *x.shape[1:])
+    dist.reduce_scatter_tensor(out, gathers(z))
+    dist.barrier()
+    return out + funcol.all_reduce(z, "sum", dist.group.WORLD).sin()
+
+
+def writes_its_argument(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    torch.ops.efxtest.log_tensor(x, "before")
+    dist.all_reduce(x)  # the caller's tensor is reduced in place, as in eager
+    torch.ops.efxtest.log_tensor(x, "after")
+    return x @ w
+
+
+def scenario_forms(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    x = torch.randn(2, 3, requires_grad=True)
+    with CollectiveLog() as issued:
+        check_against_eager(many_collectives, x)
+        check_mutations_against_eager(writes_its_argument, fresh_args((torch.randn(2, 3) + rank,
+                                                                       torch.randn(3, 3, requires_grad=True))))
+    keys = efx.capture(many_collectives, x).forward.token_keys
+    return {"keys": keys, "issued": len(issued.entries)}
+
+
+# -- DDP: refused when compiled; a compiled function inside DDP trains as eager DDP -------------------------
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.efxtest.record_memory("inner")
+        return self.lin(x).tanh()
+
+
+class CallsCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.compiled = efx.compile(self.inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compiled(x)
+
+
+def scenario_ddp(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(rank)
+    xs = [torch.randn(3, 4) for _ in range(3)]  # each rank its own batch: DDP averages the gradients
+    refused = []
+    ddp = DDP(Inner())
+    for call in (lambda: efx.compile(ddp)(xs[0]), lambda: efx.compile(lambda x: ddp(x) * 2)(xs[0])):
+        try:
+            call()
+            refused.append(None)
+        except efx.CaptureError as exc:
+            refused.append((type(exc).__name__, str(exc)))
+    eager_ddp, wrapped = DDP(Inner()), DDP(CallsCompiled())
+    eager = _train(eager_ddp, list(eager_ddp.parameters()), xs)
+    got = _train(wrapped, list(wrapped.parameters()), xs)
+    after_refusal = _train(ddp, list(ddp.parameters()), xs)  # the refused DDP still trains as eager
+    exact = all(torch.equal(a, b) for a, b in zip(_flat(eager["grads"] + eager["params"]),
+                                                 _flat(got["grads"] + got["params"]), strict=True))
+    same = all(torch.equal(a, b) for a, b in zip(_flat(eager["params"]), after_refusal["params"], strict=True))
+    return {"refused": refused, "exact": exact, "logs_equal": eager["logs"] == got["logs"],
+            "after_refusal": same, "params": eager["params"]}
+
+
+# -- FSDP2: refused at capture, before its hooks run -----------------------------------------------------------
+def scenario_fsdp(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    x = torch.randn(2, 4)
+    try:
+        efx.compile(model)(x)
+        refused = None
+    except efx.CaptureError as exc:
+        refused = (type(exc).__name__, str(exc))
+    model(x).sum().backward()  # eager FSDP2 still works after the refusal
+    return {"refused": refused, "grads": all(p.grad is not None for p in model.parameters())}
+
+
+# -- two process groups: two keys, and a body per group ----------------------------------------------------
+class GroupBlock(nn.Module):
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.lin = nn.Linear(4, 4)
+
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def scenario_groups(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    other = dist.new_group(list(range(world)))
+    model = nn.Sequential(GroupBlock(dist.group.WORLD), GroupBlock(other), GroupBlock(dist.group.WORLD))
+    x = torch.randn(2, 4, requires_grad=True)
+    check_against_eager(model, x)
+    prog = efx.capture(model, x).forward
+    return {"keys": prog.token_keys, "bodies": len(prog.regions), "other": other.group_name}
+
+
+# -- refusals: saving a program with a group, a collective effectfx does not record -----------------------------
+def reduces_to_rank_zero(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    dist.reduce(y, dst=0)  # <- reduce
+    return y
+
+
+def scenario_refusals(rank: int, world: int) -> dict[str, Any]:
+    import tempfile
+
+    found = {}
+    try:
+        efx.capture(reduces_to_rank_zero, torch.ones(3))
+    except efx.CaptureError as exc:
+        found["reduce"] = (type(exc).__name__, str(exc))
+    prog = efx.remove_effect_tokens(efx.capture(golden_program, torch.ones(2, 4), torch.ones(4, 4)))
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            prog.save(f"{d}/p.zip")
+    except efx.EffectfxError as exc:
+        found["save"] = (type(exc).__name__, str(exc))
+    return found
+
+
 def run(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     found = {}
     for name in names:
@@ -137,7 +314,7 @@ def run(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     return found
 
 
-SCENARIOS = ["tensor_parallel"]
+SCENARIOS = ["tensor_parallel", "golden", "forms", "ddp", "fsdp", "groups", "refusals"]
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +348,83 @@ def test_tensor_parallel_training_matches_eager_on_each_rank(ranks) -> None:
         assert r["backward_effects"] == ("c10d:0",)
     # the all-reduce makes the ranks agree
     assert torch.equal(results[0]["out0"], results[1]["out0"])
+
+
+GOLDEN = '''
+def forward(self, token_c10d_0, token_memory, x, w):
+    reduced_block_subgraph0 = self.reduced_block_subgraph0
+    invoke_subgraph = effectfx.ops.invoke_subgraph(reduced_block_subgraph0, 'subgraph_0', token_c10d_0, token_memory, x, w)
+    getitem = invoke_subgraph[0]
+    getitem_1 = invoke_subgraph[1]
+    getitem_2 = invoke_subgraph[2]
+    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(reduced_block_subgraph0, 'subgraph_0', getitem, getitem_1, getitem_2, w)
+    getitem_3 = invoke_subgraph_1[0]
+    getitem_4 = invoke_subgraph_1[1]
+    getitem_5 = invoke_subgraph_1[2]
+    _torchbind_obj0 = self._torchbind_obj0
+    with_effects = effectfx.ops.with_effects(getitem_3, torch.ops.effectfx_c10d.all_reduce_group0.default, _torchbind_obj0, getitem_5, 'sum')
+    getitem_6 = with_effects[0]
+    getitem_7 = with_effects[1]
+    add = torch.ops.aten.add.Tensor(getitem_7, 1)
+    return (getitem_6, getitem_4, add)
+
+# reduced_block_subgraph0: 'subgraph_0'
+def reduced_block_subgraph0(self, token_c10d_0, token_memory, x, w):
+    with_effects = effectfx.ops.with_effects(token_memory, torch.ops.efxtest.record_memory.default, 'block')
+    getitem = with_effects[0]
+    mm = torch.ops.aten.mm.default(x, w)
+    _torchbind_obj0 = self._torchbind_obj0
+    with_effects_1 = effectfx.ops.with_effects(token_c10d_0, torch.ops.effectfx_c10d.all_reduce_group0.default, _torchbind_obj0, mm, 'sum')
+    getitem_1 = with_effects_1[0]
+    getitem_2 = with_effects_1[1]
+    relu = torch.ops.aten.relu.default(getitem_2)
+    return (getitem_1, getitem, relu)
+'''
+
+
+def test_golden_token_structure(ranks) -> None:
+    # one chain per key (c10d:0 for the group, memory): the region threads both, the functional collective
+    # at the root continues the group's chain; the group is a program constant (_torchbind_obj0)
+    for keys, code in result(ranks, "golden"):
+        assert keys == ("c10d:0", "memory")
+        assert code.strip() == textwrap.dedent(GOLDEN).strip(), code
+
+
+def test_every_form_and_the_caller_s_tensor(ranks) -> None:
+    for r in result(ranks, "forms"):
+        assert r["keys"] == ("c10d:0", "stdout")
+        assert r["issued"] > 0
+
+
+def test_ddp_is_refused_and_a_compiled_function_inside_ddp_is_exact(ranks) -> None:
+    results = result(ranks, "ddp")
+    for r in results:
+        for refused in r["refused"]:
+            assert refused is not None and refused[0] == "UnsupportedParallelWrapperError"
+            assert "DistributedDataParallel" in refused[1] and "test_distributed.py:" in refused[1]
+            assert "inner module" in refused[1]
+        assert r["exact"] and r["logs_equal"] and r["after_refusal"]
+    # DDP averaged the gradients: both ranks hold the same parameters
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+def test_fsdp2_is_refused_by_name(ranks) -> None:
+    for r in result(ranks, "fsdp"):
+        assert r["refused"] is not None and r["refused"][0] == "UnsupportedParallelWrapperError"
+        assert "fully_shard" in r["refused"][1] and "test_distributed.py:" in r["refused"][1]
+        assert r["grads"]
+
+
+def test_two_groups_two_keys(ranks) -> None:
+    for r in result(ranks, "groups"):
+        assert r["keys"] == ("c10d:0", f"c10d:{r['other']}")
+        assert r["bodies"] == 2  # the group is part of what a body bakes in: one body per group
+
+
+def test_refusals_name_the_op_and_the_line(ranks) -> None:
+    for r in result(ranks, "refusals"):
+        kind, message = r["reduce"]
+        assert kind == "UnsupportedOperatorError" and "c10d.reduce_" in message
+        assert re.search(r"test_distributed.py:\d+ \(in reduces_to_rank_zero\)", message)
+        kind, message = r["save"]
+        assert kind == "SerializationError" and "ProcessGroup" in message
