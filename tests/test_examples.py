@@ -49,6 +49,23 @@ def test_gpt2_memory_example() -> None:
     assert "region MemoryRecorded.forward: 1 body, 4 calls; effects ['memory']" in out
 
 
+def test_tensor_parallel_example() -> None:
+    proc = run_script("examples/tensor_parallel.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "every rank matches its eager run: True" in out
+    for rank in (0, 1):
+        block = out.split(f"rank {rank}: ", 1)[1]
+        assert "gradients equal: True; effect log identical: True (12 effects); collectives identical: " \
+               "True (24 all-reduces over 3 steps)" in block
+        assert "region Block.forward: 1 body, 4 calls; forward effects ['c10d:0', 'log'], backward effects " \
+               "['c10d:0']" in block
+    # the body threads the group's token through the all-reduce, the group a program constant
+    assert "def Block_forward_subgraph0(self, token_c10d_0, token_log, x, name," in out
+    assert ("with_effects(token_c10d_0, torch.ops.effectfx_c10d.all_reduce_group0.default, _torchbind_obj0"
+            in out)
+
+
 @pytest.fixture(scope="module")
 def transformer():  # noqa: ANN201 - the example module
     module = demo.load_example("transformer_memory")
