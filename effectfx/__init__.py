@@ -27,6 +27,7 @@ from .errors import (
     UnfaithfulPrintWarning,
     UnsupportedMutationError,
     UnsupportedOperatorError,
+    UnsupportedParallelWrapperError,
     UnsupportedReturnError,
     VerificationError,
 )
@@ -66,7 +67,8 @@ __all__ = [
     "FreeTensorError", "MissingFakeImplError", "Program", "RegionEffectsChangedError",
     "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "EffectfxWarning",
-    "UnfaithfulPrintWarning", "UnsupportedOperatorError", "capture", "compile",
+    "UnfaithfulPrintWarning", "UnsupportedOperatorError", "UnsupportedParallelWrapperError", "capture",
+    "compile",
     "effect_of", "explain", "Explanation", "ops", "region", "register_effect",
     "dead_code_elimination", "load", "remove_effect_tokens", "unlift_tokens", "verify",
 ]
