@@ -20,6 +20,7 @@ from .errors import (
     EffectfxWarning,
     FreeTensorError,
     MissingFakeImplError,
+    PartialBackwardError,
     RegionEffectsChangedError,
     RegionRecursionError,
     RegistryError,
@@ -64,7 +65,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BackendError", "CaptureError", "CompiledCallable", "DataDependentControlFlowError", "EffectfxError",
-    "FreeTensorError", "MissingFakeImplError", "Program", "RegionEffectsChangedError",
+    "FreeTensorError", "MissingFakeImplError", "PartialBackwardError", "Program", "RegionEffectsChangedError",
     "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "EffectfxWarning",
     "UnfaithfulPrintWarning", "UnsupportedOperatorError", "UnsupportedParallelWrapperError", "capture",

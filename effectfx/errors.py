@@ -51,6 +51,10 @@ class RegionEffectsChangedError(CaptureError):
     """A region showed a different effect set on a later trace of the same cache key."""
 
 
+class PartialBackwardError(EffectfxError):
+    """A loaded training program's backward was asked for some of its outputs only."""
+
+
 class SignatureMismatchError(EffectfxError, TypeError):
     """A Program was called with inputs that do not match what it was captured for."""
 

@@ -18,7 +18,8 @@ from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, Reg
 from . import hops  # noqa: F401  (the tracer's rules for higher-order ops)
 from .collectives import refuse_parallel_wrappers
 from .dynamo_frames import frames_forgotten
-from .meta import OperandSource
+from .identity import ambient_context
+from .meta import OperandSource, same_forward
 from .python_print import capture_prints
 from .reads import Reads, recording
 from .region_call import check_containers_unchanged, leaf_names
@@ -57,8 +58,10 @@ def _regions_of(gm: fx.GraphModule, tracer: Tracer) -> dict[str, RegionEntry]:
     return dict(sorted(found.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
 
 
-def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program | TrainingProgram:
-    """Trace ``fn(*args, **kwargs)`` into the captured form (1); joint + partitioned under autograd."""
+def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  grad_outputs: tuple[bool, ...] | None = None) -> Program | TrainingProgram:
+    """Trace ``fn(*args, **kwargs)`` into the captured form (1); joint + partitioned under autograd, the
+    backward for the differentiable outputs ``grad_outputs`` selects (all by default)."""
     start = time.perf_counter()
     tracer = Tracer()
     leaves, spec = tree_flatten((args, kwargs))
@@ -82,7 +85,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
                     new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
         traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root",
-                             target)
+                             target, grad_outputs)
         check_containers_unchanged("the captured function", target, names, spec, new_leaves, call_args,
                                    call_kwargs)
 
@@ -117,7 +120,42 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program 
         regions=_regions_of(traced.backward, tracer), history=record, name=f"{name} (backward)",
         bodies=bodies,
     )
-    return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask)
+    ambient_state = ambient_context()
+    # what a retrace needs of the arguments, without keeping the caller's tensors alive
+    others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    first: dict[int, int] = {}  # the same tensor passed twice (input_ids=ids, labels=ids) stays one tensor
+    grads = {i: (leaf.requires_grad, leaf.is_leaf, first.setdefault(id(leaf), i))
+             for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+
+    def retrace(live: tuple[bool, ...]) -> TrainingProgram:
+        with ambient_state:
+            args, kwargs = tree_unflatten(stand_ins(signature, others, grads), spec)
+            prog = trace_program(fn, args, kwargs, grad_outputs=live)
+        assert isinstance(prog, TrainingProgram)
+        same_forward(traced.forward, prog.forward.graph_module, name)
+        return prog
+
+    return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace)
+
+
+def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tuple[bool, bool, int]]
+              ) -> list[Any]:
+    """Leaves like the captured ones: new tensors with their metadata (``grads``: requires_grad, is_leaf
+    and the first leaf that is the same tensor, as the call had them), the other values as they were."""
+    new = list(others)
+    for index, meta in signature.tensor_meta:
+        requires_grad, is_leaf, same = grads[index]
+        if same != index:
+            new[index] = new[same]
+            continue
+        t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+        if requires_grad:
+            t.requires_grad_()
+            if not is_leaf:
+                with torch.enable_grad():
+                    t = t.clone()
+        new[index] = t
+    return new
 
 
 def capture(fn: Callable[..., Any], *args: Any, functionalize: bool = True,

@@ -91,7 +91,9 @@ def _overload(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverload | N
         packet = func
     elif isinstance(func, _BUILTINS):
         packet = _aten_candidate(func)
-        if packet is None:
+        # only an effect matters for a Tensor method or torch function (an aten op runs no Python of its
+        # own): skip resolving the overload, the costly part, for the many calls (stride, size) of none
+        if packet is None or not any(effect_of(getattr(packet, o)) is not None for o in packet.overloads()):
             return None
     else:
         return None

@@ -11,6 +11,7 @@ site reuses the first body with its key whose guards hold on its own arguments.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +28,25 @@ def ambient() -> tuple:
     """Grad mode and autocast (enabled, dtype) per device type: state that changes every op's meaning."""
     return (torch.is_grad_enabled(), *[
         (torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in AUTOCAST_DEVICES])
+
+
+class ambient_context:  # noqa: N801  (used like torch.no_grad)
+    """Re-enter the grad mode and autocast state of when it was made: a body retraced from a backward
+    (Note [Partial backward]) is traced as its forward call was."""
+
+    def __init__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in AUTOCAST_DEVICES if d == "cpu" or torch.is_autocast_enabled(d)]
+
+    def __enter__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(torch.set_grad_enabled(self.grad))
+        for device, enabled, dtype in self.autocast:
+            self.stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
 
 
 def module_structure(module: torch.nn.Module) -> tuple:

@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -20,9 +22,11 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        # a FakeTensor knows its device without a dispatch (t.device would dispatch prim.device)
-        device = getattr(t, "fake_device", None) or t.device
-        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, device, t.requires_grad)
+        # a FakeTensor knows its device without a dispatch (t.device would dispatch prim.device); the
+        # tracer's torch-function mode need not see these reads, which come from effectfx itself
+        with _NO_TORCH_FUNCTION():
+            device = getattr(t, "fake_device", None) or t.device
+            return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, device, t.requires_grad)
 
     def without_grad(self) -> TensorMeta:
         return TensorMeta(self.shape, self.stride, self.dtype, self.device, False)
@@ -71,6 +75,7 @@ class TracedGraph:
     out_layout: list[tuple[str, Any]]  # per output leaf: ("tensor", k) or ("const", value)
     out_meta: list[TensorMeta]
     saved_meta: list[TensorMeta] = field(default_factory=list)
+    saved_names: tuple[str, ...] = ()  # the saved values' node names: a partial backward's key to them
     tangent_mask: tuple[bool, ...] = ()
     grad_mask: tuple[bool, ...] = ()
     grad_meta: list[TensorMeta | None] = field(default_factory=list)  # per backward output
@@ -80,6 +85,10 @@ class TracedGraph:
     @property
     def n_outs(self) -> int:
         return len(self.out_meta)
+
+    @property
+    def saved(self) -> tuple[tuple[str, TensorMeta], ...]:
+        return tuple(zip(self.saved_names, self.saved_meta))
 
     @property
     def n_user_outs(self) -> int:
@@ -96,3 +105,44 @@ class TracedGraph:
             found = {k: inputs.index(o) for k, o in enumerate(outs) if o in inputs}
             self.__dict__["_passthrough"] = found
         return found
+
+
+def mask_text(mask: tuple[bool, ...]) -> str:
+    """``(True, False)`` -> ``"10"``: which outputs a partial backward serves, for names."""
+    return "".join("1" if m else "0" for m in mask)
+
+
+def saved_positions(full: tuple[tuple[str, TensorMeta], ...], part: tuple[tuple[str, TensorMeta], ...],
+                    where: str) -> tuple[int, ...]:
+    """Where each ``(name, meta)`` value a partial backward reads sits among the full backward's saved
+    values (Note [Partial backward]): both traces ran the same forward, so its nodes have the same names."""
+    index = {item: i for i, item in enumerate(full)}
+    found = tuple(index.get(item, -1) for item in part)
+    if -1 in found:
+        raise_changed(where)
+    return found
+
+
+def same_forward(full: fx.GraphModule, part: fx.GraphModule, where: str) -> None:
+    """Check that a retrace's forward is the first trace's (Note [Partial backward]): every node it kept
+    (it drops what only the full backward needed) is the node of that name in ``full``, same op, same
+    arguments -- constants included, which names alone would not show."""
+    nodes = {n.name: n for n in full.graph.nodes}
+    for node in part.graph.nodes:
+        twin = nodes.get(node.name)
+        if node.op == "output":
+            continue
+        if twin is None or (twin.op, twin.target, repr(twin.args), repr(twin.kwargs)) != (
+                node.op, node.target, repr(node.args), repr(node.kwargs)):
+            raise_changed(where)
+
+
+def raise_changed(where: str) -> None:
+    from ..errors import CaptureError
+
+    raise CaptureError(
+        f"{where}: its backward was asked for some of its outputs only, which effectfx traces anew (Note "
+        "[Partial backward]), but the new trace ran a different forward (state the code reads changed since "
+        "the forward ran?), so its backward would not be the forward's.\nMake the code's behaviour depend "
+        "only on its arguments, or use every output in the loss."
+    )

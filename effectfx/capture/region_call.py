@@ -14,7 +14,7 @@ import operator
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,12 +24,22 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from .. import ops
 from ..errors import RegionRecursionError, UnsupportedMutationError
 from ..regions import Region
-from .identity import call_key, code_reads, guards_hold, key_labels, resolve
-from .meta import OperandSource, TensorMeta, TracedGraph
+from .identity import ambient_context, call_key, code_reads, guards_hold, key_labels, resolve
+from .meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
 from .reads import Reads, raw, recording, report_read
 from .source import definition, user_location
 from .trace import Scope, trace_graph
 from .tracer import Tracer
+
+
+@dataclass
+class PartialBackward:
+    """A body's backward for some of its outputs only (Note [Partial backward])."""
+
+    backward: fx.GraphModule
+    saved: tuple[int, ...]  # which of the forward's saved values it reads, in its order
+    grad_meta: list[TensorMeta | None]
+    attr: str
 
 
 @dataclass
@@ -44,6 +54,7 @@ class RegionBody:
     attr: str  # attribute name of its forward subgraph in calling graphs
     key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations
     trace_seconds: float = 0.0
+    partial: dict[tuple[bool, ...], PartialBackward] = field(default_factory=dict)  # by outputs with grads
 
     @property
     def backward_attr(self) -> str:
@@ -131,13 +142,16 @@ class RegionCall(torch.autograd.Function):
     """A region call under autograd: forward emits the forward body, backward the backward body."""
 
     @staticmethod
-    def forward(ctx: Any, tracer: Tracer, body: RegionBody, *operands: Any) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, tracer: Tracer, body: RegionBody, call: tuple,  # type: ignore[override]
+                *operands: Any) -> tuple:
         traced = body.traced
         results = emit_invoke(tracer, traced.forward, body.identifier, body.attr, list(operands),
                               [*traced.out_meta, *traced.saved_meta])
         outs = results[: traced.n_outs]
         ctx.tracer, ctx.body, ctx.saved = tracer, body, results[traced.n_outs:]
+        ctx.call = call
         ctx.mark_non_differentiable(*[o for o, m in zip(outs, traced.tangent_mask) if not m])
+        ctx.set_materialize_grads(False)  # an output nothing used gets no gradient: Note [Partial backward]
         return tuple(outs)
 
     @staticmethod
@@ -145,11 +159,18 @@ class RegionCall(torch.autograd.Function):
         body: RegionBody = ctx.body
         traced = body.traced
         tangents = [g for g, m in zip(grads, traced.tangent_mask) if m]
+        live = tuple(g is not None for g in tangents)
         assert traced.backward is not None
-        results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
-                              [*ctx.saved, *tangents], traced.grad_meta)
+        if all(live):
+            results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
+                                  [*ctx.saved, *tangents], traced.grad_meta)
+        else:
+            part = _partial_backward(ctx.tracer, body, ctx.call, live)
+            operands = [*[ctx.saved[i] for i in part.saved], *[g for g in tangents if g is not None]]
+            results = emit_invoke(ctx.tracer, part.backward, body.identifier, part.attr, operands,
+                                  part.grad_meta)
         it = iter(results)
-        return (None, None, *[next(it) if m else None for m in traced.grad_mask])
+        return (None, None, None, *[next(it) if m else None for m in traced.grad_mask])
 
 
 def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> Any:
@@ -180,7 +201,8 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         else:
             operands.append(src.tensor)
     if traced.backward is not None:
-        outs = list(RegionCall.apply(tracer, body, *operands))
+        outs = list(RegionCall.apply(tracer, body, (leaves, spec, args, kwargs, ambient_context()),
+                                     *operands))
     else:
         outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
     if traced.mutated:
@@ -223,10 +245,9 @@ def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operand
             operand.copy_(new)  # recorded like the user's own copy_: views, dtypes and autograd as in eager
 
 
-def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,
-                args: tuple, kwargs: dict) -> RegionBody:
-    identifier = tracer.next_identifier()
-    start = time.perf_counter()
+def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tuple, kwargs: dict,
+           grad_outputs: tuple[bool, ...] | None = None) -> tuple[TracedGraph, tuple]:
+    """Trace ``region``'s body on fakes of ``leaves``: its graph(s) and its guards."""
     module_params: dict[int, tuple[int, str]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.nn.Module):
@@ -256,14 +277,21 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
             traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
-                                 f"region {region.name!r}", region.name, region.fn)
+                                 f"region {region.name!r}", region.name, region.fn, grad_outputs)
         check_containers_unchanged(f"region {region.name!r}", region.fn, names, spec, new_leaves,
                                    body_args, body_kwargs)
     finally:
         tracer.region_stack.pop()
-    guards = tuple(reads.guards.items())
-    body = RegionBody(identifier, region, key, guards, traced, "", key_labels(names),
-                      time.perf_counter() - start)
+    return traced, tuple(reads.guards.items())
+
+
+def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,
+                args: tuple, kwargs: dict) -> RegionBody:
+    identifier = tracer.next_identifier()
+    start = time.perf_counter()
+    traced, guards = _trace(tracer, region, leaves, spec, args, kwargs)
+    body = RegionBody(identifier, region, key, guards, traced, "",
+                      key_labels(leaf_names(region.fn, args, kwargs)), time.perf_counter() - start)
     traced.forward.meta["effectfx_region"] = (region, body.cache_key, identifier, "forward")
     if traced.backward is not None:
         traced.backward.meta["effectfx_region"] = (region, body.cache_key, identifier, "backward")
@@ -272,3 +300,25 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     tracer.candidates.setdefault((region.fn, key), []).append(body)
     tracer.trace_counts[identifier] = tracer.trace_counts.get(identifier, 0) + 1
     return body
+
+
+def _partial_backward(tracer: Tracer, body: RegionBody, call: tuple, live: tuple[bool, ...]
+                      ) -> PartialBackward:
+    """The body's backward for the outputs in ``live`` only (Note [Partial backward]), traced once."""
+    found = body.partial.get(live)
+    if found is not None:
+        return found
+    leaves, spec, args, kwargs, ambient_state = call  # as RegionCall.apply got them in call_region
+    counts = dict(tracer.region_calls)  # the retrace's region calls are not call sites of the program
+    with ambient_state:
+        traced, _ = _trace(tracer, body.region, leaves, spec, args, kwargs, live)
+    tracer.region_calls = counts
+    assert traced.backward is not None
+    where = f"region {body.region.name!r} ({body.identifier}, defined at {definition(body.region.fn)})"
+    same_forward(body.traced.forward, traced.forward, where)
+    found = PartialBackward(traced.backward, saved_positions(body.traced.saved, traced.saved, where),
+                            traced.grad_meta, body.backward_attr + "_" + mask_text(live))
+    found.backward.meta["effectfx_region"] = (body.region, body.cache_key, body.identifier, "backward")
+    found.backward.meta["effectfx_grad_outputs"] = live
+    body.partial[live] = found
+    return found

@@ -172,8 +172,11 @@ def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str
 
 
 def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: str,
-                fn: Any = None) -> TracedGraph:
-    """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph."""
+                fn: Any = None, grad_outputs: tuple[bool, ...] | None = None) -> TracedGraph:
+    """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph.
+
+    ``grad_outputs`` says which differentiable outputs get a gradient (default: all); the backward is
+    autograd's over those only (Note [Partial backward])."""
     tracer, builder = scope.tracer, scope.builder
     with tracer.graph(builder):
         try:
@@ -220,6 +223,8 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
 
         builder.phase = "backward"
         diff_outs = [t for t in tensors if t.requires_grad]
+        if grad_outputs is not None:
+            diff_outs = [t for t, live in zip(diff_outs, grad_outputs) if live]
         tangents = []
         for i, t in enumerate(diff_outs):
             tangent = tracer.new_fake(TensorMeta.of(t).without_grad())
@@ -242,6 +247,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
     return TracedGraph(
         part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,
         saved_meta=[TensorMeta.of(n.meta["val"]) for n in part.saved],
+        saved_names=tuple(n.name for n in part.saved),
         tangent_mask=tangent_mask, grad_mask=grad_mask,
         grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],
         mutated=tuple(scope.nodes.index(n) for n, _ in written),

@@ -8,6 +8,7 @@ Program and attaches their results to autograd.  Programs are immutable: passes 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,8 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .. import ops
-from ..capture.meta import TensorMeta
-from ..errors import SignatureMismatchError, UnsupportedMutationError
+from ..capture.meta import TensorMeta, saved_positions
+from ..errors import PartialBackwardError, SignatureMismatchError, UnsupportedMutationError
 from .printing import program_text, subgraphs
 
 
@@ -203,13 +204,21 @@ class _RunTraining(torch.autograd.Function):
         ctx.prog = prog
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, m in zip(outs, prog.tangent_mask) if not m])
+        ctx.set_materialize_grads(False)  # an output nothing used gets no gradient: Note [Partial backward]
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:  # type: ignore[override]
         prog: TrainingProgram = ctx.prog
         tangents = [g for g, m in zip(grads, prog.tangent_mask) if m]
-        results = iter(prog.backward.run_flat([*ctx.saved_tensors, *tangents]))
+        live = tuple(g is not None for g in tangents)
+        if all(live):
+            results = iter(prog.backward.run_flat([*ctx.saved_tensors, *tangents]))
+        else:
+            backward, positions = prog.partial_backward(live)
+            saved = ctx.saved_tensors
+            results = iter(backward.run_flat([*[saved[i] for i in positions],
+                                              *[g for g in tangents if g is not None]]))
         return (None, *[next(results) if m else None for m in prog.grad_mask])
 
 
@@ -222,6 +231,31 @@ class TrainingProgram:
     backward: Program
     tangent_mask: tuple[bool, ...]
     grad_mask: tuple[bool, ...]
+    saved: tuple[tuple[str, TensorMeta], ...] = ()  # the forward's saved values: (node name, metadata)
+    # traces the program anew for a backward of some outputs only (None: a loaded program)
+    retrace: Callable[[tuple[bool, ...]], TrainingProgram] | None = field(default=None, compare=False,
+                                                                          repr=False)
+    partial: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def partial_backward(self, live: tuple[bool, ...]) -> tuple[Program, tuple[int, ...]]:
+        """The backward for the differentiable outputs ``live`` selects, and which saved values it reads
+        (Note [Partial backward]); traced once per selection."""
+        found = self.partial.get(live)
+        if found is None:
+            if self.retrace is None:
+                raise PartialBackwardError(
+                    f"{self.forward.name.removesuffix(' (forward)')!r}: its backward was asked for some of "
+                    f"its outputs only (differentiable outputs {[i for i, m in enumerate(live) if m]} got "
+                    "a gradient), "
+                    "which effectfx traces anew (Note [Partial backward]); a loaded program cannot be "
+                    "traced.\nUse every output in the loss (out.sum() * 0 adds one), or compile the "
+                    "function itself."
+                )
+            part = self.retrace(live)
+            found = (part.backward, saved_positions(self.saved, part.saved,
+                                                            self.forward.name.removesuffix(" (forward)")))
+            self.partial[live] = found
+        return found
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -255,7 +289,9 @@ class TrainingProgram:
 
     def map(self, fn: Any) -> TrainingProgram:
         """Apply a ``Program -> Program`` pass to both halves."""
-        return dataclasses.replace(self, forward=fn(self.forward), backward=fn(self.backward))
+        retrace = None if self.retrace is None else (lambda live, r=self.retrace: r(live).map(fn))
+        return dataclasses.replace(self, forward=fn(self.forward), backward=fn(self.backward),
+                                   retrace=retrace)
 
     def __str__(self) -> str:
         return f"{self.forward}\n\n{self.backward}"

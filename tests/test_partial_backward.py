@@ -1,0 +1,153 @@
+# ruff: noqa: E501  (golden graph text has long lines)
+"""A backward that reaches some outputs only (Note [Partial backward]): eager's engine never runs the
+autograd formulas of an output nothing used -- nor their effects -- and leaves the gradient of an input
+only that output reaches at None.  effectfx traces such a backward anew for exactly the outputs that got a
+gradient, for a region's results inside a capture and for a compiled program's results at run time."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import effectfx as efx
+from effectfx.testing import check_against_eager, recording
+
+R = torch.ops.efxtest
+
+
+@efx.region
+def scaled_and_squared(x):
+    R.record_memory("fwd")
+    return R.scale(x, 0.5), x * x
+
+
+def second_only(x):
+    return scaled_and_squared(x)[1].sin()
+
+
+PARTIAL_BACKWARD = '''
+def forward(self, getitem_1, getitem_2, tangent_0):
+    cos = torch.ops.aten.cos.default(getitem_1)
+    mul = torch.ops.aten.mul.Tensor(tangent_0, cos)
+    scaled_and_squared_subgraph0_backward_01 = self.scaled_and_squared_subgraph0_backward_01
+    invoke_subgraph = effectfx.ops.invoke_subgraph(scaled_and_squared_subgraph0_backward_01, 'subgraph_0', getitem_2, mul)
+    getitem = invoke_subgraph[0]
+    return (getitem,)
+
+# scaled_and_squared_subgraph0_backward_01: 'subgraph_0'
+def scaled_and_squared_subgraph0_backward_01(self, x, tangent_0):
+    mul_1 = torch.ops.aten.mul.Tensor(tangent_0, x)
+    mul_2 = torch.ops.aten.mul.Tensor(tangent_0, x)
+    add = torch.ops.aten.add.Tensor(mul_2, mul_1)
+    return (add,)
+'''
+
+
+def x_grad(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).requires_grad_()
+
+
+def test_region_partial_backward_golden() -> None:
+    # the region's backward for its second result only: efxtest::scale's backward (and its effect) is gone
+    prog = efx.capture(second_only, x_grad(2, 3))
+    assert prog.backward.code() == PARTIAL_BACKWARD.strip("\n")
+
+
+def test_unused_region_result_runs_no_backward_effect() -> None:
+    result = check_against_eager(second_only, x_grad(2, 3))
+    assert result.log == [("record_memory", "fwd")]
+
+
+@efx.region
+def inner(x):
+    return R.scale(x, 2.0), R.scale(x.cos(), 3.0)
+
+
+@efx.region
+def outer(x):
+    a, b = inner(x)
+    return a * 2, b + 1, R.scale(x, 4.0)
+
+
+@pytest.mark.parametrize("use", [(0,), (1,), (2,), (0, 2), (1, 2), (0, 1, 2)])
+def test_nested_regions_run_the_backward_of_what_was_used(use: tuple[int, ...]) -> None:
+    def f(x):
+        outs = outer(x)
+        return sum(outs[i].sum() for i in use)
+
+    result = check_against_eager(f, x_grad(3))
+    expected = {0: "grad 2.0", 1: "grad 3.0", 2: "grad 4.0"}
+    assert sorted(e[1] for e in result.log) == sorted(expected[i] for i in use)
+
+
+def test_input_reached_only_through_an_unused_result_gets_no_gradient() -> None:
+    @efx.region
+    def two(x, y):
+        return x.sin(), R.scale(y, 0.5)
+
+    def f(x, y):
+        return two(x, y)[0]
+
+    x, y = x_grad(3), x_grad(3)
+    check_against_eager(f, x, y)
+    with recording() as log:
+        f(x, y).sum().backward()
+    assert y.grad is None and log == []
+
+
+def both(x, y):
+    return R.scale(x, 0.5), x * y
+
+
+@pytest.mark.parametrize("use", [0, 1])
+def test_compiled_program_backward_of_one_output(use: int) -> None:
+    x, y = x_grad(2, 3), x_grad(2, 3)
+    with recording() as eager_log:
+        both(x, y)[use].sum().backward()
+    eager = (x.grad.clone(), None if y.grad is None else y.grad.clone())
+    x.grad = y.grad = None
+    compiled = efx.compile(both)
+    for _ in range(2):  # the partial backward is traced once, then reused
+        with recording() as log:
+            compiled(x, y)[use].sum().backward()
+        assert log == eager_log
+        assert torch.equal(x.grad, eager[0])
+        assert (y.grad is None) == (eager[1] is None)
+        if eager[1] is not None:
+            assert torch.equal(y.grad, eager[1])
+        x.grad = y.grad = None
+    assert compiled.stats.compiles == 1
+
+
+def test_loss_of_a_model_output_with_logits() -> None:
+    # a transformers-style result: the loss and the logits it came from; backward from the loss only
+    lin = nn.Linear(4, 5)
+
+    def model(x, target):
+        logits = R.scale(lin(x), 0.5)
+        return torch.nn.functional.cross_entropy(logits, target), logits
+
+    x, target = torch.randn(3, 4), torch.tensor([0, 2, 4])
+    with recording() as eager_log:
+        model(x, target)[0].backward()
+    eager = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad(set_to_none=True)
+    with recording() as log:
+        efx.compile(model)(x, target)[0].backward()
+    assert log == eager_log == [("record_memory", "grad 0.5")]
+    assert all(torch.equal(p.grad, g) for p, g in zip(lin.parameters(), eager))
+
+
+def test_loaded_program_refuses_a_partial_backward() -> None:
+    x, y = x_grad(2, 3), x_grad(2, 3)
+    buf = io.BytesIO()
+    efx.remove_effect_tokens(efx.capture(both, x, y)).save(buf)
+    buf.seek(0)
+    loaded = efx.load(buf)
+    a, b = loaded(x, y)
+    (a.sum() + b.sum()).backward()  # every output: runs
+    with pytest.raises(efx.PartialBackwardError, match="Use every output in the loss"):
+        loaded(x, y)[1].sum().backward()
