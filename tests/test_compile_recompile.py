@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -328,3 +329,37 @@ def test_numbers_of_other_types_are_other_signatures():
         out = cf(x, k)
         assert out.dtype == (x * k).dtype and torch.equal(out, x * k)
     assert cf.stats.compiles == 3
+
+
+# -- the same tensor passed twice ----------------------------------------------------------------------------
+def _weighted(x, a, b):
+    R.record_memory("weighted")
+    return x + a * 2 + b * 3
+
+
+def _update_then_read(a, b):
+    a.add_(1)
+    return b * 2
+
+
+def test_same_tensor_twice_is_a_signature_of_its_own() -> None:
+    # found while porting upstream cond tests: a program captured with (x, t, t) read one input for both
+    x, t, t1, t2 = (torch.randn(3) for _ in range(4))
+    compiled = efx.compile(_weighted)
+    for args in [(x, t, t), (x, t1, t2), (x, t, t)]:
+        with recording() as log:
+            got = compiled(*args)
+        assert torch.equal(got, _weighted(*args)) and log == [("record_memory", "weighted")]
+    assert compiled.stats.compiles == 2
+    # an in-place update through one argument is seen through the other, as in eager
+    a = torch.zeros(2)
+    assert torch.equal(efx.compile(_update_then_read)(a, a), torch.full((2,), 2.0))
+    assert torch.equal(a, torch.ones(2))
+
+
+def test_captured_program_refuses_another_aliasing() -> None:
+    x, t, t1, t2 = (torch.randn(3) for _ in range(4))
+    prog = efx.capture(_weighted, x, t, t)
+    assert torch.equal(prog(x, t, t), _weighted(x, t, t))
+    with pytest.raises(efx.SignatureMismatchError, match="same tensor as inputs 1 and 2"):
+        prog(x, t1, t2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -14,7 +15,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import regions as _regions
 from ..runtime.printing import subgraphs
-from ..runtime.program import BodyInfo, InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+from ..runtime.program import (
+    BodyInfo,
+    InputSignature,
+    PassRecord,
+    Program,
+    RegionEntry,
+    TrainingProgram,
+    alias_pattern,
+)
 from . import hops  # noqa: F401  (the tracer's rules for higher-order ops)
 from .collectives import refuse_parallel_wrappers
 from .dynamo_frames import frames_forgotten
@@ -100,6 +109,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta) if s.kind == "arg"),
         tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)),
     )
+    signature = dataclasses.replace(signature, aliases=alias_pattern(leaves, signature.tensor_meta))
     lifted = tuple(s.tensor for s in traced.sources[n_user:])
     record = (PassRecord("capture", time.perf_counter() - start),)
     name = getattr(fn, "__name__", type(fn).__name__)

@@ -29,7 +29,7 @@ from ..functionalize import discover_effects, thread_tokens
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from ..passes.simplify import simplify_for_runtime
-from .program import Program, TrainingProgram
+from .program import Program, TrainingProgram, alias_pattern
 
 
 def lower_to_inductor(prog: Program) -> Program:
@@ -51,6 +51,14 @@ BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
 def _tensor_key(t: torch.Tensor) -> tuple:
     # a plain tuple: cheaper on every call than TensorMeta.of, same fields
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _same_tensors(leaves: Any) -> tuple[int, ...]:
+    """The same tensor passed twice is one graph input (``InputSignature.aliases``): its own signature."""
+    tensors = [(i, None) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if len({id(leaves[i]) for i, _ in tensors}) == len(tensors):
+        return ()
+    return alias_pattern(list(leaves), tuple(tensors))
 
 
 def _shallow(value: Any) -> Any:
@@ -180,13 +188,13 @@ class CompiledCallable:
         self._check_children()
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
-            return (ambient(), ("tensors", len(args)), *map(_tensor_key, args),
-                    self._python_state()), list(args)
+            return (ambient(), ("tensors", len(args)), *map(_tensor_key, args), self._python_state(),
+                    _same_tensors(args)), list(args)
         leaves, spec = tree_flatten((args, kwargs))
         # non-tensor values are keyed as regions key them: by type and value (1, 1.0 and True differ)
         parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf_key(leaf, labels=False)
                  for leaf in leaves]
-        return (ambient(), spec, *parts, self._python_state()), leaves
+        return (ambient(), spec, *parts, self._python_state(), _same_tensors(leaves)), leaves
 
     def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
         for entry in self.cache.get(key, ()):

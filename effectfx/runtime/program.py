@@ -29,6 +29,9 @@ class InputSignature:
     spec: TreeSpec
     tensor_meta: tuple[tuple[int, TensorMeta], ...]  # (leaf index, metadata) of each tensor leaf
     constants: tuple[tuple[int, Any], ...]  # (leaf index, value) of each non-tensor leaf
+    # the same tensor passed twice is one input of the graph: per tensor leaf, the leaf index of the first
+    # leaf that is the same tensor (() when all differ); a call must pass the same pattern
+    aliases: tuple[int, ...] = ()
 
     def bind(self, args: tuple, kwargs: dict, name: str) -> list[torch.Tensor]:
         leaves, spec = tree_flatten((args, kwargs))
@@ -50,6 +53,14 @@ class InputSignature:
                     "for these inputs, or use effectfx.compile, which re-captures when inputs change."
                 )
             tensors.append(leaf)
+        if alias_pattern(leaves, self.tensor_meta) != self.aliases:
+            raise SignatureMismatchError(
+                f"{name} was captured with {_aliasing(self.aliases, self.tensor_meta)}, and is called with "
+                f"{_aliasing(alias_pattern(leaves, self.tensor_meta), self.tensor_meta)}: the graph reads "
+                "each tensor once, "
+                "so it cannot serve both. Capture again for these inputs, or use effectfx.compile, which "
+                "captures each pattern apart."
+            )
         for index, value in self.constants:
             if leaves[index] is not value and leaves[index] != value:
                 raise SignatureMismatchError(
@@ -57,6 +68,18 @@ class InputSignature:
                     "non-tensor arguments are baked into the graph. Capture again for the new value."
                 )
         return tensors
+
+
+def alias_pattern(leaves: list[Any], tensor_meta: tuple[tuple[int, Any], ...]) -> tuple[int, ...]:
+    """Per tensor leaf, the index of the first leaf that is the same tensor; () when all differ."""
+    first: dict[int, int] = {}
+    pattern = tuple(first.setdefault(id(leaves[i]), i) for i, _ in tensor_meta)
+    return pattern if len(first) < len(pattern) else ()
+
+
+def _aliasing(pattern: tuple[int, ...], tensor_meta: tuple[tuple[int, Any], ...]) -> str:
+    same = [f"{j} and {i}" for (i, _), j in zip(tensor_meta, pattern) if i != j]
+    return f"the same tensor as inputs {', '.join(same)}" if same else "a different tensor for each input"
 
 
 @dataclass(frozen=True)
