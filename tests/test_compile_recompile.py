@@ -361,5 +361,15 @@ def test_captured_program_refuses_another_aliasing() -> None:
     x, t, t1, t2 = (torch.randn(3) for _ in range(4))
     prog = efx.capture(_weighted, x, t, t)
     assert torch.equal(prog(x, t, t), _weighted(x, t, t))
-    with pytest.raises(efx.SignatureMismatchError, match="same tensor as inputs 1 and 2"):
+    with pytest.raises(efx.SignatureMismatchError, match="same tensor \(or views of it\) as inputs 1 and 2"):
         prog(x, t1, t2)
+
+
+def test_argument_updated_in_place_with_a_view_of_it_passed_too_is_refused() -> None:
+    # eager's view sees the update; the graph's copy of it would not
+    compiled = efx.compile(_update_then_read)
+    assert torch.equal(compiled(torch.zeros(4), torch.zeros(2)), torch.zeros(2))
+    t = torch.zeros(4)
+    with pytest.raises(efx.UnsupportedMutationError, match="'b' is another view of the same memory"):
+        compiled(t, t[:2])
+    assert torch.equal(t, torch.zeros(4))  # refused before anything ran

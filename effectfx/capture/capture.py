@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import regions as _regions
+from ..errors import UnsupportedMutationError
 from ..runtime.printing import subgraphs
 from ..runtime.program import (
     BodyInfo,
@@ -103,6 +104,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
                  tracer.region_calls.get(b.identifier, 0), b.guards)
         for b in sorted(tracer.bodies.values(), key=lambda b: int(b.identifier.rsplit("_", 1)[1]))
     )
+    _refuse_written_views(traced, leaves, names)
     n_user = sum(1 for s in traced.sources if s.kind == "arg")
     signature = InputSignature(
         spec,
@@ -110,6 +112,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)),
     )
     signature = dataclasses.replace(signature, aliases=alias_pattern(leaves, signature.tensor_meta))
+    signature = dataclasses.replace(signature, views=alias_pattern(leaves, signature.tensor_meta, bases=True))
     lifted = tuple(s.tensor for s in traced.sources[n_user:])
     record = (PassRecord("capture", time.perf_counter() - start),)
     name = getattr(fn, "__name__", type(fn).__name__)
@@ -146,6 +149,26 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         return prog
 
     return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace)
+
+
+def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> None:
+    """An argument updated in place while another argument is a different view of its memory: eager's
+    other view sees the update, the graph's copy of it would not (Note [Mutations]), so refuse."""
+    for j in traced.mutated:
+        src = traced.sources[j]
+        if src.kind != "arg":
+            continue
+        written = leaves[src.index]
+        memory = written.untyped_storage().data_ptr()
+        other = next((i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+                      and leaf is not written and leaf.untyped_storage().data_ptr() == memory), None)
+        if other is not None:
+            raise UnsupportedMutationError(
+                f"the captured function updates its argument {names[src.index]!r} in place, and argument "
+                f"{names[other]!r} is another view of the same memory; the graph would not show the update "
+                "through it as eager does.\nPass separate tensors (a clone), or pass one tensor and take "
+                "the view inside the function."
+            )
 
 
 def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tuple[bool, bool, int]]

@@ -53,12 +53,15 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def _same_tensors(leaves: Any) -> tuple[int, ...]:
-    """The same tensor passed twice is one graph input (``InputSignature.aliases``): its own signature."""
-    tensors = [(i, None) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    if len({id(leaves[i]) for i, _ in tensors}) == len(tensors):
+def _same_tensors(leaves: Any) -> tuple:
+    """The same tensor (or views of one) passed twice is one graph input (``InputSignature.aliases``): its
+    own signature.  Cheap when no two leaves share a base, the usual call."""
+    tensors = tuple((i, None) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    bases = {id(leaves[i] if leaves[i]._base is None else leaves[i]._base) for i, _ in tensors}
+    if len(bases) == len(tensors):
         return ()
-    return alias_pattern(list(leaves), tuple(tensors))
+    leaves = list(leaves)
+    return alias_pattern(leaves, tensors), alias_pattern(leaves, tensors, bases=True)
 
 
 def _shallow(value: Any) -> Any:

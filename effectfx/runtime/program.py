@@ -32,6 +32,7 @@ class InputSignature:
     # the same tensor passed twice is one input of the graph: per tensor leaf, the leaf index of the first
     # leaf that is the same tensor (() when all differ); a call must pass the same pattern
     aliases: tuple[int, ...] = ()
+    views: tuple[int, ...] = ()  # the same for views of one tensor (by ``_base``), which updates cross
 
     def bind(self, args: tuple, kwargs: dict, name: str) -> list[torch.Tensor]:
         leaves, spec = tree_flatten((args, kwargs))
@@ -53,11 +54,12 @@ class InputSignature:
                     "for these inputs, or use effectfx.compile, which re-captures when inputs change."
                 )
             tensors.append(leaf)
-        if alias_pattern(leaves, self.tensor_meta) != self.aliases:
+        if (alias_pattern(leaves, self.tensor_meta) != self.aliases
+                or alias_pattern(leaves, self.tensor_meta, bases=True) != self.views):
             raise SignatureMismatchError(
-                f"{name} was captured with {_aliasing(self.aliases, self.tensor_meta)}, and is called with "
-                f"{_aliasing(alias_pattern(leaves, self.tensor_meta), self.tensor_meta)}: the graph reads "
-                "each tensor once, "
+                f"{name} was captured with {_aliasing(self.views, self.tensor_meta)}, and is called with "
+                f"{_aliasing(alias_pattern(leaves, self.tensor_meta, True), self.tensor_meta)}: the graph "
+                "reads each tensor once, and an update through one is seen through the others, "
                 "so it cannot serve both. Capture again for these inputs, or use effectfx.compile, which "
                 "captures each pattern apart."
             )
@@ -70,16 +72,23 @@ class InputSignature:
         return tensors
 
 
-def alias_pattern(leaves: list[Any], tensor_meta: tuple[tuple[int, Any], ...]) -> tuple[int, ...]:
-    """Per tensor leaf, the index of the first leaf that is the same tensor; () when all differ."""
+def alias_pattern(leaves: list[Any], tensor_meta: tuple[tuple[int, Any], ...], bases: bool = False
+                  ) -> tuple[int, ...]:
+    """Per tensor leaf, the index of the first leaf that is the same tensor (``bases``: a view of the same
+    tensor); () when all differ."""
     first: dict[int, int] = {}
-    pattern = tuple(first.setdefault(id(leaves[i]), i) for i, _ in tensor_meta)
+    pattern = tuple(first.setdefault(id(_base(leaves[i]) if bases else leaves[i]), i) for i, _ in tensor_meta)
     return pattern if len(first) < len(pattern) else ()
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
 
 
 def _aliasing(pattern: tuple[int, ...], tensor_meta: tuple[tuple[int, Any], ...]) -> str:
     same = [f"{j} and {i}" for (i, _), j in zip(tensor_meta, pattern) if i != j]
-    return f"the same tensor as inputs {', '.join(same)}" if same else "a different tensor for each input"
+    return (f"the same tensor (or views of it) as inputs {', '.join(same)}" if same
+            else "a different tensor for each input")
 
 
 @dataclass(frozen=True)

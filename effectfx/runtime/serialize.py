@@ -111,6 +111,7 @@ class _Saver:
                 "tensors": [[i, _meta(m)] for i, m in prog.signature.tensor_meta],
                 "constants": [[i, _value(v)] for i, v in prog.signature.constants],
                 "aliases": list(prog.signature.aliases),
+                "views": list(prog.signature.views),
             },
             "out_spec": _dumps_spec(prog.out_spec),
             "out_layout": [[kind, _value(v)] for kind, v in prog.out_layout],
@@ -326,6 +327,7 @@ class _Loader:
             tuple((i, _load_meta(m)) for i, m in sig["tensors"]),
             tuple((i, _load_value(v, {})) for i, v in sig["constants"]),
             tuple(sig.get("aliases", ())),
+            tuple(sig.get("views", ())),
         )
         return Program(
             self.graph(p["root"]), signature, tuple(self.tensors[n] for n in p["lifted"]),
