@@ -1,0 +1,169 @@
+"""How a generated program (``effectfx.testing.program``) prints: the standalone Python source that is
+also what runs, so a printed reproducer is exactly what ran."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from .program import (
+    BINARY,
+    BUFFER_READS,
+    BUFFERS,
+    CHANGES,
+    EFFECT_OPS,
+    ITEMS,
+    MATMUL,
+    MUTATIONS,
+    PRINTS,
+    REDUCE,
+    UNARY,
+)
+
+if TYPE_CHECKING:
+    from .program import Body, ProgramSpec, RegionSpec, Stmt
+
+def _call_expr(spec: ProgramSpec, s: Stmt, module_ref: str | None, args: tuple[str, ...]) -> str:
+    region = spec.region(s.op)
+    joined = ", ".join(args + ((f"[{', '.join(s.items)}]",) if region.list_len else ())
+                       + ((f"s={s.s!r}",) if s.s is not None else ()))
+    if region.style == "method":
+        return f"{module_ref}.{s.op}({joined})"
+    if region.style == "module_fn":
+        return f"{s.op}({module_ref}, {joined})"
+    return f"{s.op}({joined})"
+
+
+def _weight_expr(weight: str, module_ref: str | None) -> str:
+    return weight if weight.startswith("C") else f"{module_ref}.{weight}"  # C0, self.w0, m.w1, self.w
+
+
+def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: set[str]) -> list[str]:
+    a = s.args[0] if s.args else ""
+    out = ", ".join(s.outs)
+    if s.kind == "unary":
+        return [f"{out} = {UNARY[s.op].format(a=a)}"]
+    if s.kind == "scalar":
+        return [f"{out} = {a} * s"]
+    if s.kind == "binary":
+        return [f"{out} = {BINARY[s.op].format(a=a, b=s.args[1])}"]
+    if s.kind == "reduce":
+        return [f"{out} = {REDUCE[s.op].format(a=a)}"]
+    if s.kind == "matmul":
+        return [f"{out} = {MATMUL[s.op].format(a=a, w=_weight_expr(s.weight, module_ref))}"]
+    if s.kind == "inplace":
+        return [f"{out} = {a} * 1.0", f"{out}.{s.op}_({s.value!r})"]
+    if s.kind == "detach":
+        return [f"{out} = {a}.detach()"]
+    if s.kind == "item":
+        return [f"{out} = {ITEMS[s.op].format(j=int(s.value))}"]
+    if s.kind == "change":
+        return [CHANGES[s.op].format(a=a)]
+    if s.kind == "print":
+        # a region's argument is printed detached: eager would show the *caller's* grad_fn, which one body
+        # shared by every call cannot know (effectfx warns; see UnfaithfulPrintWarning)
+        return [PRINTS[s.op].format(label=s.label, p=f"{a}.detach()" if a in arguments else a)]
+    if s.kind == "buffer":
+        return [BUFFERS[s.op].format(m=module_ref, a=a)]
+    if s.kind == "bufread":
+        return [BUFFER_READS[s.op].format(m=module_ref, a=a, out=out, label=s.label)]
+    if s.kind == "bn":
+        return [f"{out} = {module_ref}.bn({a})"]
+    if s.kind == "mutate":
+        return [MUTATIONS[s.op].format(a=a, b=s.args[1] if len(s.args) > 1 else "", s=s.value)]
+    if s.kind == "blocks":  # every sub-module's region method in turn: one body, N weights
+        return [f"{out} = {a}", f"for blk in {module_ref}.blocks:", f"    {out} = blk.step({out})"]
+    if s.kind == "effect":
+        template = next(t for name, t, _ in itertools.chain(*EFFECT_OPS.values()) if name == s.op)
+        expr = template.format(a=a, label=s.label, s=s.value)
+        return [f"{out} = {expr}" if s.outs else expr]
+    call = _call_expr(spec, s, module_ref, s.args)
+    if s.kind == "unused":
+        return [call]
+    if s.kind == "call":
+        return [f"{out} = {call}" if s.outs else call]
+    if s.kind == "chain":
+        return [f"{out} = {_call_expr(spec, s, module_ref, (call,))}"]
+    if s.kind == "loop":
+        return [f"{out} = {a}", f"for _ in range({int(s.value)}):",
+                f"    {out} = {_call_expr(spec, s, module_ref, (out,))}"]
+    if s.kind == "nograd":
+        return ["with torch.no_grad():", f"    {out} = {call}" if s.outs else f"    {call}"]
+    raise ValueError(f"unknown statement kind {s.kind!r}")
+
+
+def _body_lines(spec: ProgramSpec, body: Body, module_ref: str | None, indent: str,
+                region: bool = True) -> list[str]:
+    lines, arguments = [], spec.arguments(body) if region else set()
+    for s in body.stmts:
+        lines.extend(indent + line for line in _stmt_lines(spec, s, module_ref, arguments))
+    lines.append(indent + ("return " + ", ".join(body.returns) if body.returns else "return None"))
+    return lines
+
+
+def _params(r: RegionSpec, first: tuple[str, ...] = ()) -> str:
+    extra = (("xs",) if r.list_len else ()) + (("s=1.0",) if r.scalar else ())
+    return ", ".join(first + r.body.params + extra)
+
+
+def _state_lines(spec: ProgramSpec, bodies: tuple[Body | None, ...], indent: str) -> list[str]:
+    buffers, bn = spec.stateful(bodies)
+    lines = []
+    if buffers:
+        lines += [f'{indent}self.register_buffer("buf", torch.randn(D, generator=g))',
+                  f'{indent}self.register_buffer("calls", torch.zeros((), dtype=torch.int64))']
+    if bn:
+        lines.append(f"{indent}self.bn = torch.nn.BatchNorm1d(D)")
+    return lines
+
+
+def render(spec: ProgramSpec) -> str:
+    lines = [
+        '"""A program generated by effectfx.testing.generator (python -m effectfx fuzz)."""',
+        "import sys",
+        "",
+        "import torch",
+        "",
+        "import effectfx as efx",
+        "import effectfx.testing  # noqa: F401  (registers the efxtest:: effect ops)",
+        "import effectfx.testing.fuzz_ops  # noqa: F401  (registers the efxfuzz:: ops)",
+        "",
+        f"B, D = {spec.batch}, {spec.width}",
+        f"_g = torch.Generator().manual_seed({spec.seed})",
+    ]
+    lines += [f"C{i} = torch.randn(D, D, generator=_g) / D ** 0.5" for i in range(spec.constants)]
+    for r in spec.regions:
+        if r.style == "method":
+            continue
+        module = ("m",) if r.style == "module_fn" else ()
+        lines += ["", "", "@efx.region", f"def {r.name}({_params(r, module)}):"]
+        lines += _body_lines(spec, r.body, "m" if r.style == "module_fn" else None, "    ")
+    if spec.block_body is not None:
+        lines += ["", "", "class Block(torch.nn.Module):", "    def __init__(self, seed, requires_grad):",
+                  "        super().__init__()", "        g = torch.Generator().manual_seed(seed)",
+                  "        self.w = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
+                  "requires_grad=requires_grad)", *_state_lines(spec, (spec.block_body,), "        "),
+                  "", "    @efx.region",
+                  f"    def step(self, {', '.join(spec.block_body.params)}):"]
+        lines += _body_lines(spec, spec.block_body, "self", "        ")
+    lines += ["", "", "class Fuzzed(torch.nn.Module):", "    def __init__(self):",
+              "        super().__init__()", f"        g = torch.Generator().manual_seed({spec.seed + 1})"]
+    if spec.blocks:
+        blocks = ", ".join(f"Block({spec.seed + 10 + i}, {rg})" for i, rg in enumerate(spec.blocks))
+        lines.append(f"        self.blocks = torch.nn.ModuleList([{blocks}])")
+    for i, rg in enumerate(spec.weights):
+        lines.append(f"        self.w{i} = torch.nn.Parameter(torch.randn(D, D, generator=g) / D ** 0.5, "
+                     f"requires_grad={rg})")
+    lines += _state_lines(spec, spec.module_bodies(), "        ")
+    for r in spec.regions:
+        if r.style == "method":
+            lines += ["", "    @efx.region", f"    def {r.name}({_params(r, ('self',))}):"]
+            lines += _body_lines(spec, r.body, "self", "        ")
+    lines += ["", f"    def forward(self, {', '.join(spec.forward.params)}):"]
+    lines += _body_lines(spec, spec.forward, "self", "        ", region=False)
+    lines += ["", "", "def make(variant=0):", "    model = Fuzzed()",
+              f"    g = torch.Generator().manual_seed({spec.seed + 2} + 1000 * variant)",
+              "    args = ("]
+    lines += [f"        torch.randn(B, D, generator=g).requires_grad_({rg})," for rg in spec.inputs]
+    lines += ["    )", "    return model, args", ""]
+    return "\n".join(lines)
