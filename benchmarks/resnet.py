@@ -37,173 +37,36 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 import effectfx as efx  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import LOG, median  # noqa: E402
+from benchmarks.resnet_model import (  # noqa: E402
+    ATOL,
+    BATCH,
+    CHANNELS,
+    CONFIG,
+    LABELS,
+    LR,
+    RTOL,
+    SIZE,
+    SYSTEMS,
+    WARMUP_STEPS,
+    _snapshot,
+    batch,
+    build,
+    compare,
+    compile_for,
+    n_blocks,
+    references,
+)
+from benchmarks.resnet_report import plot, summarize, table  # noqa: E402
 
 NAME = "resnet"
-RTOL, ATOL = 1e-4, 1e-5
-BATCH, CHANNELS, SIZE, LABELS_N = 8, 3, 32, 10
-CONFIG: dict[str, Any] = {"num_channels": CHANNELS, "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128],
-                          "depths": [2, 2, 2, 2], "layer_type": "basic", "num_labels": LABELS_N}
-LR = 0.01
-WARMUP_STEPS = 3  # >= 2: the second call compiles again (config.problem_type), see the module docstring
-
-# system -> (block marker, compiler)
-SYSTEMS: dict[str, tuple[str, str]] = {
-    "eager": ("eager", "eager"),
-    "efx": ("efx", "efx"),
-    "tc": ("eager", "tc"),
-    "tc_region": ("tc", "tc"),
-    "efx_noregion": ("eager", "efx"),
-    "tc_region_shared": ("tc", "tc"),
-}
-# blocks that all record the same label instead of their own name: the only form in which
-# nested_compile_region reuses a body here (a per-block name is a constant its reuse check compares)
-SHARED_LABEL = {"tc_region_shared": "block"}
-LABELS = {
-    "eager": "eager",
-    "efx": "effectfx (blocks as regions)",
-    "tc": "torch.compile (no regions)",
-    "tc_region": "torch.compile (nested_compile_region)",
-    "efx_noregion": "effectfx (no regions)",
-    "tc_region_shared": "torch.compile (nested_compile_region, one label for all blocks)",
-}
-SHORT = {"eager": "eager", "efx": "effectfx", "tc": "tc", "tc_region": "tc+regions",
-         "efx_noregion": "efx no-reg", "tc_region_shared": "tc+regions 1 label"}
 # torch.compile takes seconds per first call, the others milliseconds to a second: they get more repetitions
 FULL = {"reps": 5, "tc_reps": 3, "rounds": 60, "min_seconds": 45.0,
         "systems": ["eager", "efx", "tc", "tc_region", "efx_noregion", "tc_region_shared"]}
 QUICK = {"reps": 1, "tc_reps": 1, "rounds": 3, "min_seconds": 0.0, "systems": ["eager", "efx", "tc_region"]}
-
-
-# -- the model -------------------------------------------------------------------------------------
-def _block_forward() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    # a new function object per marker: ``nested_compile_region`` marks the function it is given (sets
-    # attributes on it), so sharing one would make the unmarked blocks regions for torch.compile too
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        torch.ops.efxbench.record(self.name)
-        return self.layer(x)
-
-    forward.__qualname__ = "Block.forward"
-    return forward
-
-
-class Block(nn.Module):
-    """One residual block that first records its name (``efxbench::record``), then runs the block."""
-
-    def __init__(self, layer: nn.Module, name: str) -> None:
-        super().__init__()
-        self.layer = layer
-        self.name = name
-
-    forward = _block_forward()
-
-
-class EfxBlock(Block):
-    forward = efx.region(_block_forward())
-
-
-class TcBlock(Block):
-    forward = torch.compiler.nested_compile_region(_block_forward())
-
-
-BLOCKS: dict[str, type[Block]] = {"eager": Block, "efx": EfxBlock, "tc": TcBlock}
-
-
-def make_model(marker: str, seed: int = 0, config: dict[str, Any] | None = None,
-               label: str | None = None) -> nn.Module:
-    """A fresh ``ResNetForImageClassification`` (same ``seed``, same weights), its blocks wrapped (each
-    recording its name, or ``label``), in training mode."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.ResNetForImageClassification(transformers.ResNetConfig(**(config or CONFIG)))
-    for i, stage in enumerate(model.resnet.encoder.stages):
-        for j, layer in enumerate(stage.layers):
-            stage.layers[j] = BLOCKS[marker](layer, label or f"stages.{i}.layers.{j}")
-    return model.train()
-
-
-def build(system: str, config: dict[str, Any] | None = None) -> nn.Module:
-    """A fresh model with the blocks ``system`` needs."""
-    return make_model(SYSTEMS[system][0], config=config, label=SHARED_LABEL.get(system))
-
-
-def n_blocks(config: dict[str, Any] | None = None) -> int:
-    return sum((config or CONFIG)["depths"])
-
-
-def compile_for(compiler: str, model: nn.Module) -> Callable[..., Any]:
-    if compiler == "efx":
-        return efx.compile(model)
-    if compiler == "tc":
-        return torch.compile(model, backend="aot_eager")
-    return model
-
-
-def batch(seed: int = 1, size: int = SIZE, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch_size, CHANNELS, size, size, generator=g),
-            torch.randint(0, LABELS_N, (batch_size,), generator=g))
-
-
-# -- comparing with eager --------------------------------------------------------------------------
-def _snapshot(model: nn.Module, loss: torch.Tensor | None, grads: bool) -> dict[str, Any]:
-    return {
-        "loss": None if loss is None else loss.detach().clone(),
-        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()} if grads
-        else {},
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-    }
-
-
-def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point():
-        return bool(torch.equal(a, b))
-    return bool(torch.allclose(a, b, rtol=RTOL, atol=ATOL))
-
-
-def compare(got: dict[str, Any], want: dict[str, Any], parts: tuple[str, ...]) -> dict[str, Any]:
-    """Per part (loss, grads, params, buffers): does it match eager's, and which names do not."""
-    out: dict[str, Any] = {}
-    for part in parts:
-        if part == "loss":
-            out["loss_matches"] = _close(got["loss"], want["loss"])
-            out["loss"] = None if got["loss"] is None else float(got["loss"])
-            out["eager_loss"] = float(want["loss"])
-            continue
-        bad = sorted(n for n in want[part] if n not in got[part] or not _close(got[part][n], want[part][n]))
-        out[f"{part}_matches"] = not bad
-        out[f"{part}_compared"] = len(want[part])
-        out[f"{part}_mismatched"] = bad[:10] + ([f"... {len(bad) - 10} more"] if len(bad) > 10 else [])
-    out["matches_eager"] = all(out[f"{p}_matches"] for p in parts)
-    return out
-
-
-def references(steps: int) -> dict[str, Any]:
-    """Eager's loss, gradients and buffers after the first step, and its parameters and buffers after
-    ``steps`` SGD steps (the steady-state warm-up)."""
-    pixels, labels = batch()
-    model = make_model("eager")
-    loss = model(pixel_values=pixels, labels=labels).loss
-    loss.backward()
-    first = _snapshot(model, loss, grads=True)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    opt.step()
-    opt.zero_grad()
-    for _ in range(steps - 1):
-        model(pixel_values=pixels, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {"first": first, "warm": _snapshot(model, None, grads=False)}
 
 
 def _error(exc: BaseException) -> str:
@@ -532,159 +395,6 @@ def run(quick: bool = False, systems: list[str] | None = None, progress: common.
     }
     data["summary"] = summarize(data)
     return data
-
-
-def _result(data: dict[str, Any], system: str) -> dict[str, Any] | None:
-    return next((r for r in data["results"] if r["system"] == system), None)
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or not b or a != a or b != b:
-        return None
-    return a / b
-
-
-def summarize(data: dict[str, Any]) -> dict[str, Any]:
-    eager, efx_ = _result(data, "eager"), _result(data, "efx")
-    summary: dict[str, Any] = {"by_system": {}}
-    for r in data["results"]:
-        fc, st = r["first_call"], r["step"]
-        summary["by_system"][r["system"]] = {
-            "first_call_ms": fc["median_s"] * 1e3,
-            "first_call_cpu_ms": fc["cpu_median_s"] * 1e3,
-            "second_call_ms": fc["second_call_median_s"] * 1e3,
-            "first_two_calls_ms": (fc["median_s"] + fc["second_call_median_s"]) * 1e3,
-            "step_ms": st["median_s"] * 1e3,
-            "step_cpu_ms": st["cpu_median_s"] * 1e3,
-            "first_call_over_efx": _div(fc["median_s"], efx_ and efx_["first_call"]["median_s"]),
-            "first_call_over_efx_cpu": _div(fc["cpu_median_s"], efx_ and efx_["first_call"]["cpu_median_s"]),
-            "first_two_calls_over_efx": _div(fc["median_s"] + fc["second_call_median_s"],
-                                             efx_ and efx_["first_call"]["median_s"]
-                                             + efx_["first_call"]["second_call_median_s"]),
-            "step_over_eager": _div(st["median_s"], eager and eager["step"]["median_s"]),
-            "step_over_eager_cpu": _div(st["cpu_median_s"], eager and eager["step"]["cpu_median_s"]),
-            "step_over_efx": _div(st["median_s"], efx_ and efx_["step"]["median_s"]),
-            "first_call_ok": fc["ok"],
-            "step_ok": st["status"] == "ok",
-            "effects_correct": r["effects_correct"],
-            "matches_eager": r["matches_eager"],
-        }
-    s = summary["by_system"]
-    if "efx" in s:
-        summary["efx_over_eager_step"] = s["efx"]["step_over_eager"]
-        summary["efx_over_eager_step_cpu"] = s["efx"]["step_over_eager_cpu"]
-        summary["efx_correct"] = bool(s["efx"]["matches_eager"] and s["efx"]["effects_correct"])
-    for tc in ("tc", "tc_region"):
-        if tc in s and "efx" in s:
-            summary[f"{tc}_over_efx_first_call"] = s[tc]["first_call_over_efx"]
-            summary[f"{tc}_over_efx_first_call_cpu"] = s[tc]["first_call_over_efx_cpu"]
-            summary[f"{tc}_over_efx_step"] = s[tc]["step_over_efx"]
-    return summary
-
-
-def _fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
-    return "-" if value is None or value != value else f"{value:{spec}}{suffix}"
-
-
-def table(data: dict[str, Any]) -> str:
-    s = data["summary"]["by_system"]
-    rows = []
-    for r in data["results"]:
-        m = s[r["system"]]
-        correct = "yes" if r["matches_eager"] and r["effects_correct"] else "NO"
-        if not r["matches_eager"] or not r["effects_correct"]:
-            fc = r["first_call"]
-            notes = [x for x in fc["status"] + [r["step"]["status"]] if x != "ok"]
-            if fc["matches_eager"] is False:
-                bad = [p for p in ("loss", "grads", "buffers") if fc["runs"][0].get(f"{p}_matches") is False]
-                notes.append("differs: " + ",".join(bad))
-            if r["step"]["state_after_warmup"]["matches_eager"] is False:
-                notes.append("state after warm-up differs")
-            if not r["effects_correct"]:
-                notes.append(f"effects {fc['effects_per_call']}/{fc['second_call_effects']}"
-                             f"/{r['step']['effects_per_step']}")
-            correct += " (" + "; ".join(dict.fromkeys(notes))[:100] + ")"
-        over = m["first_call_over_efx"]
-        rows.append([SHORT[r["system"]], _fmt(m["first_call_ms"]), _fmt(m["first_call_cpu_ms"]),
-                     _fmt(m["second_call_ms"]), _fmt(over, ".2f" if (over or 0) < 1 else ".1f", "x"),
-                     _fmt(m["step_ms"], ".2f"), _fmt(m["step_cpu_ms"], ".2f"),
-                     _fmt(m["step_over_eager"], ".2f", "x"), _fmt(m["step_over_efx"], ".2f", "x"), correct])
-    cfg = data["config"]
-    head = (f"ResNet ({cfg['blocks']} basic blocks, hidden {cfg['resnet_config']['hidden_sizes']}), batch "
-            f"{'x'.join(map(str, cfg['batch']))}, training; median wall ms (cpu = process CPU time); "
-            f"steady state over {cfg['rounds']} rounds")
-    return head + "\n" + common.format_table(
-        ["system", "1st call", "cpu", "2nd call", "1st/efx", "step", "cpu", "step/eager", "step/efx",
-         "matches eager, effects"], rows) + "\n"
-
-
-def plot(data: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"eager": "C2", "efx": "C0", "efx_noregion": "C9", "tc": "C1", "tc_region": "C3",
-              "tc_region_shared": "C5"}
-    results = data["results"]
-    names = [SHORT[r["system"]].replace(" ", "\n", 1) for r in results]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    ax = axes[0]
-    xs = range(len(results))
-    first = [r["first_call"]["median_s"] * 1e3 for r in results]
-    second = [r["first_call"]["second_call_median_s"] * 1e3 for r in results]
-    w = 0.4
-    bar_colors = [colors[r["system"]] for r in results]
-    ax.bar([x - w / 2 for x in xs], first, w, color=bar_colors, label="first call")
-    ax.bar([x + w / 2 for x in xs], second, w, color=bar_colors, alpha=0.45,
-           hatch="//", label="second call (recompile: problem_type)")
-    ax.scatter([x - w / 2 for x in xs], [r["first_call"]["cpu_median_s"] * 1e3 for r in results], marker="_",
-               s=150, color="k", zorder=5, label="CPU time (median)")
-    for x, v in zip(xs, first):
-        ax.annotate(_fmt(v, ".0f"), (x - w / 2, v), ha="center", va="bottom", fontsize=7)
-    for x, r in zip(xs, results):
-        if not (r["matches_eager"] and r["effects_correct"]):
-            failed = any(st.startswith("error") for st in r["first_call"]["status"])
-            top = max(v for v in (first[x], second[x]) if v == v)
-            ax.annotate("error" if failed else "wrong", (x, top * 1.6), ha="center", color="red", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylim(top=max(v for v in first + second if v == v) * 12)  # room for the legend
-    ax.set_ylabel("ms (log scale)")
-    ax.set_title("first call: compile + one training step", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", ncol=3)
-    ax = axes[1]
-    steps = [r["step"]["median_s"] * 1e3 for r in results]
-    lo = [r["step"]["median_s"] * 1e3 - _quantile(r["step"]["runs_s"], 0.25) * 1e3 for r in results]
-    hi = [_quantile(r["step"]["runs_s"], 0.75) * 1e3 - r["step"]["median_s"] * 1e3 for r in results]
-    ax.bar(xs, steps, 0.6, color=[colors[r["system"]] for r in results], yerr=[lo, hi], capsize=3)
-    ax.scatter(xs, [r["step"]["cpu_median_s"] * 1e3 for r in results], marker="_", s=300, color="k",
-               zorder=5, label="CPU time (median)")
-    for x, r in zip(xs, results):
-        if r["step"]["status"] != "ok":
-            ax.annotate("did not\nrun", (x, 0), ha="center", va="bottom", color="red", fontsize=8,
-                        xytext=(0, 4), textcoords="offset points")
-    ax.set_ylim(0, max(v for v in steps if v == v) * 1.45)  # room for the legend
-    ax.legend(fontsize=7, loc="upper left")
-    for x, v in zip(xs, steps):
-        ax.annotate(_fmt(v, ".1f"), (x, v), ha="center", va="bottom", fontsize=7, xytext=(8, 2),
-                    textcoords="offset points")
-    ax.set_ylabel("ms per step (median, bars: quartiles)")
-    ax.set_title("steady-state training step (fwd + bwd + SGD)", fontsize=10)
-    for a in axes:
-        a.set_xticks(list(xs))
-        a.set_xticklabels(names, fontsize=8)
-        a.grid(True, axis="y", alpha=0.3)
-    cfg = data["config"]
-    title = (f"HF ResNet, {cfg['blocks']} blocks as regions, batch {'x'.join(map(str, cfg['batch']))}, "
-             "1 thread, torch.compile backend aot_eager")
-    return common.save_figure(fig, title, data, path)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
 
 
 def main(argv: list[str] | None = None) -> int:
