@@ -106,10 +106,8 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
         loss.backward()
     except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
         return {"status": f"{type(e).__name__}: {str(e)[:300]}", "warmup_s": warmup_s}
-    wall = time.perf_counter() - wall
-    cpu = tree_cpu_s() - cpu
-    effects = len(LOG)
-    result = {"status": "ok", "wall_s": wall, "cpu_s": cpu, "warmup_s": warmup_s, "effects": effects,
+    wall, cpu = time.perf_counter() - wall, tree_cpu_s() - cpu
+    result = {"status": "ok", "wall_s": wall, "cpu_s": cpu, "warmup_s": warmup_s, "effects": len(LOG),
               "effects_expected": n if SYSTEMS[system][2] else 0}
     result.update(check(model, n, system, module, loss))
     if system == "efx":
@@ -328,9 +326,17 @@ def plot(data: dict[str, Any], path: Path) -> Path:
                 xs.append(x + (k - len(bars) / 2 + 0.5) * w)
                 wall.append(summary["first_call_s"][f"{tag}/{used}/{cache}"])
                 cpu.append(summary["first_call_cpu_s"][f"{tag}/{used}/{cache}"])
+                runs = [r for r in data["first_call"][f"{tag}/{used}/{cache}"] if r.get("status") == "ok"]
+                right_ = all(r["ok"] and r["effects"] == r["effects_expected"] for r in runs)
+                if mark := "" if used == system and right_ else "wrong" if not right_ else "no\neffects":
+                    left.annotate(mark, (xs[-1], wall[-1] * 1.15), ha="center", va="bottom", fontsize=6,
+                                  color="red" if mark == "wrong" else "k")
+        if not xs:  # not measured (a quick run): no legend entry
+            continue
         left.bar(xs, wall, w, color=f"C{k}", label=label)
         left.scatter(xs, cpu, marker="_", s=60, color="k", zorder=5, label="CPU time" if k == 0 else None)
     left.set_yscale("log")
+    left.set_ylim(top=left.get_ylim()[1] * 8)  # room for the legend
     left.set_ylabel("s (median, log scale)")
     left.set_title("first call: compile + forward + backward (fresh process)", fontsize=10)
     for k, (system, _, label) in enumerate(b for b in bars if b[1] == "fresh"):
@@ -341,15 +347,18 @@ def plot(data: dict[str, Any], path: Path) -> Path:
             if used in ms and ms.get("eager"):
                 xs.append(x + (k - 1.5) * 0.2)
                 ratio.append(ms[used] / ms["eager"])
+                if used != system:
+                    right.annotate("no\neffects", (xs[-1], ratio[-1]), ha="center", va="bottom", fontsize=6)
         right.bar(xs, ratio, 0.2, color=f"C{[0, 2, 3, 4][k]}", label=label)
     right.axhline(1.0, color="k", lw=0.8)
     right.axhline(0.95, color="k", lw=0.8, ls="--", label="target 0.95x")
     right.set_ylabel("training step / eager's (median wall)")
+    right.set_ylim(0, 1.4)  # room for the legend
     right.set_title("steady-state training step", fontsize=10)
     for ax in (left, right):
         ax.set_xticks(range(len(tags)))
         ax.set_xticklabels(tags)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
         ax.grid(True, axis="y", alpha=0.3)
     title = "effectfx's Inductor backend vs torch.compile (inductor), 1 thread"
     return common.save_figure(fig, title, data, path)
