@@ -361,7 +361,7 @@ def test_captured_program_refuses_another_aliasing() -> None:
     x, t, t1, t2 = (torch.randn(3) for _ in range(4))
     prog = efx.capture(_weighted, x, t, t)
     assert torch.equal(prog(x, t, t), _weighted(x, t, t))
-    with pytest.raises(efx.SignatureMismatchError, match="same tensor \(or views of it\) as inputs 1 and 2"):
+    with pytest.raises(efx.SignatureMismatchError, match=r"same tensor \(or views of it\) as inputs 1 and 2"):
         prog(x, t1, t2)
 
 

@@ -3,7 +3,9 @@ statistics, counters, in-place arguments -- at the root and inside regions, in t
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import re
 from collections.abc import Callable
 from typing import Any
@@ -366,3 +368,28 @@ def test_inductor_backend_writes_buffers_back() -> None:
         want_state = _state(eager)
         for name, t in _state(model).items():
             torch.testing.assert_close(t, want_state[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+
+
+@efx.region
+def _accumulate_into(acc, x):
+    acc.add_(x)
+    return acc
+
+
+def _print_accumulated(x, acc):
+    _accumulate_into(acc, x)
+    print("acc", acc)
+    return acc * 2
+
+
+def test_print_of_an_argument_a_region_updated_shows_the_body_op() -> None:
+    # found by effectfx fuzz --seed 0: eager prints grad_fn=<AddBackward0> (the body's add_), not the
+    # CopyBackwards of the write-back into the caller's tensor
+    from effectfx.testing.differential import check_mutations_against_eager, fresh_args
+
+    x, acc = torch.randn(2, 3, requires_grad=True), torch.randn(2, 3)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        efx.compile(_print_accumulated)(x.detach().clone().requires_grad_(), acc.clone())
+    assert "grad_fn=<AddBackward0>" in printed.getvalue()
+    check_mutations_against_eager(_print_accumulated, fresh_args((x, acc)))

@@ -110,6 +110,27 @@ _MARKER = re.compile(r"\x1f<effectfx tensor #(\d+)>\x1e")
 _IDS = itertools.count()
 
 
+def region_result_grad_fn(tracer: Any, t: torch.Tensor) -> str | None:
+    """The grad_fn eager would show on a region's result: that of the body's output, found through the
+    ``getitem(invoke_subgraph(body, ...), i)`` node that produced ``t`` (nested regions followed)."""
+    builder = tracer.builder
+    node, owner = builder.values.get(id(t)), builder.holder
+    while node is not None and node.target is operator.getitem:
+        call, i = node.args
+        if getattr(call, "target", None) is not ops.invoke_subgraph:
+            return None
+        owner = getattr(owner, call.args[0].target, None)
+        if owner is None:
+            return None
+        node = next(reversed(owner.graph.nodes)).args[0][i]
+        grad_fn = getattr(node.meta.get("val"), "grad_fn", None)
+        if grad_fn is None:
+            return None
+        if not _ours(grad_fn):
+            return _grad_fn_name(grad_fn)
+    return None
+
+
 class _Capture:
     """One capture on one thread: its tracer and the tensors its markers stand for."""
 
@@ -180,32 +201,15 @@ class _Capture:
         grad_fn = t.grad_fn
         if grad_fn is None:
             return "r:requires_grad=True"
-        name = _grad_fn_name(grad_fn) if not _ours(grad_fn) else self._region_result_grad_fn(t)
+        written = tracer.written_by_region.get(id(t))
+        if written is not None and written[0] is grad_fn:  # a region's in-place update, written back
+            return f"r:grad_fn=<{written[1]}>"
+        name = _grad_fn_name(grad_fn) if not _ours(grad_fn) else region_result_grad_fn(tracer, t)
         if name is None:
             self._warn("print() of a region's result that requires grad: eager shows the grad_fn of the "
                        "region's last op, which effectfx could not find; it prints the tensor without it")
             return "r"
         return f"r:grad_fn=<{name}>"
-
-    def _region_result_grad_fn(self, t: torch.Tensor) -> str | None:
-        """The grad_fn eager would show on a region's result: that of the body's output, found through the
-        ``getitem(invoke_subgraph(body, ...), i)`` node that produced ``t`` (nested regions followed)."""
-        builder = self.tracer.builder
-        node, owner = builder.values.get(id(t)), builder.holder
-        while node is not None and node.target is operator.getitem:
-            call, i = node.args
-            if getattr(call, "target", None) is not ops.invoke_subgraph:
-                return None
-            owner = getattr(owner, call.args[0].target, None)
-            if owner is None:
-                return None
-            node = next(reversed(owner.graph.nodes)).args[0][i]
-            grad_fn = getattr(node.meta.get("val"), "grad_fn", None)
-            if grad_fn is None:
-                return None
-            if not _ours(grad_fn):
-                return _grad_fn_name(grad_fn)
-        return None
 
     def _unmarked(self, text: str) -> str:
         def original(match: re.Match) -> str:

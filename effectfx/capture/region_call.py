@@ -26,6 +26,7 @@ from ..errors import RegionRecursionError, UnsupportedMutationError
 from ..regions import Region
 from .identity import ambient_context, call_key, code_reads, guards_hold, key_labels, resolve
 from .meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
+from .python_print import region_result_grad_fn
 from .reads import Reads, raw, recording, report_read
 from .source import definition, user_location
 from .trace import Scope, trace_graph
@@ -243,6 +244,10 @@ def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operand
             tracer.builder.bind(fake, tracer.builder.node_of(new))  # a buffer's new statistics, say
         else:
             operand.copy_(new)  # recorded like the user's own copy_: views, dtypes and autograd as in eager
+            if operand.grad_fn is not None:  # print shows the body's op that wrote it, as eager's does
+                name = region_result_grad_fn(tracer, new)
+                if name is not None:
+                    tracer.written_by_region[id(operand)] = (operand.grad_fn, name)
 
 
 def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tuple, kwargs: dict,

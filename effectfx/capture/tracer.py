@@ -104,6 +104,8 @@ class Tracer(TorchDispatchMode):
         self.recording = True
         self.base_of: dict[int, torch.Tensor] = {}  # id(view) -> the intermediate it aliases
         self.views_of: dict[int, list[torch.Tensor]] = {}  # id(base) -> views of it made so far
+        # id(caller's tensor) -> (its grad_fn after a region's write-back, the body op's grad_fn name)
+        self.written_by_region: dict[int, tuple[Any, str]] = {}
         self.bodies: dict[Any, Any] = {}  # (region function, key, guards) -> RegionBody: the region cache
         self.candidates: dict[Any, list[Any]] = {}  # (region function, key) -> bodies, first traced first
         self.watcher = Watcher()
