@@ -197,7 +197,7 @@ def hop_lowering(prog: Any) -> Any:
         # as torch.compile's own path does: body outputs keep their traced strides (compile_fx.py)
         _recursive_record_user_visible_output_idxs(decomposed)
         inner = compile_fx_inner(decomposed, examples)
-    whole = InductorSegment(decomposed, lambda *args: inner(list(args)), metas)  # boxed convention
+    whole = InductorSegment.ready(decomposed, lambda *args: inner(list(args)), metas)  # boxed convention
     graph, holder = fx.Graph(), torch.nn.Module()
     holder.whole = whole
     call = graph.call_module("whole", tuple(graph.placeholder(n.name) for n in placeholders))

@@ -341,3 +341,25 @@ def test_a_new_process_loads_the_saved_segments() -> None:
 def test_needs_token_free_form() -> None:
     with pytest.raises(efx.BackendError, match="token-free"):
         inductor.lower_to_inductor(efx.capture(seed, torch.randn(3)))
+
+
+def _loss_and_values(x):
+    y = seed_region(x).sin()
+    return y.sum(), y
+
+
+def test_segments_compile_on_first_use_so_an_unused_full_backward_costs_nothing() -> None:
+    # backpropagating the loss only takes the partial backward (Note [Partial backward]): the full
+    # backward's segments, lowered with the program, never run and are never compiled
+    x = torch.randn(3, requires_grad=True)
+    compiled = efx.compile(_loss_and_values, backend="inductor")
+    loss, _ = compiled(x)
+    loss.backward()
+    eager_x = x.detach().clone().requires_grad_()
+    _loss_and_values(eager_x)[0].backward()
+    torch.testing.assert_close(x.grad, eager_x.grad, rtol=RTOL, atol=ATOL)
+    (prog,) = compiled.programs()
+    assert segments(prog.backward.graph_module)  # lowered ...
+    assert all(s._found is None for s in segments(prog.backward.graph_module))  # ... never compiled
+    partial, _ = next(iter(prog.partial.values()))
+    assert all(s._found is not None for s in segments(partial.graph_module))

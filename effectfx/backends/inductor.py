@@ -81,14 +81,38 @@ class InductorSegment(torch.nn.Module):
     artifact's (checked on that call, value for value), later calls run that graph directly, without the
     aot_autograd wrappers around it (about 20 us a call; a transformer block calls two segments a step)."""
 
-    def __init__(self, source: fx.GraphModule, compiled: Any, inputs: tuple[Meta, ...],
-                 reason: str | None = None) -> None:
+    def __init__(self, source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> None:
         super().__init__()
         object.__setattr__(self, "source", source)  # the aten graph (not a submodule: printed apart)
-        self.compiled = compiled
-        self.reason = reason  # why it runs un-compiled, if it does
         self.inputs = inputs
+        self.where = where
+        self._found: tuple[Any, str | None] | None = None  # (artifact or None, why not): on first use
         self.run: Any = None  # boxed: run([*tensors]) -> outputs; set by the first call
+
+    @classmethod
+    def ready(cls, source: fx.GraphModule, compiled: Any, inputs: tuple[Meta, ...]) -> InductorSegment:
+        """A segment around an artifact compiled elsewhere (``compiled(*tensors)``)."""
+        segment = cls(source, inputs, "a compiled graph")
+        segment._found = (compiled, None)
+        return segment
+
+    @property
+    def compiled(self) -> Any:
+        """Inductor's artifact, compiled (or loaded) on first use: a segment that never runs -- the full
+        backward of a program whose callers only ever backpropagate some outputs (Note [Partial
+        backward]) -- costs no compile."""
+        if self._found is None:
+            self._found = _compiled_or_why(self.source, self.inputs)
+            if self._found[0] is None:
+                size = len(self.source.graph.nodes)
+                warnings.warn(f"Inductor could not compile a segment of {self.where} ({size} nodes); it runs "
+                              f"un-compiled. {self._found[1]}", InductorFallbackWarning, stacklevel=3)
+        return self._found[0]
+
+    @property
+    def reason(self) -> str | None:
+        """Why the segment runs un-compiled, if it does."""
+        return None if self.compiled is not None else self._found[1]  # type: ignore[index]
 
     def forward(self, *args: torch.Tensor) -> Any:
         run = self.run
@@ -271,7 +295,12 @@ def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
 
 
 def compiled_segment(source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> InductorSegment:
-    """The segment ``source`` (canonical names, see ``_Lowering.segment``), compiled once per process."""
+    """The segment ``source`` (canonical names, see ``_Lowering.segment``), compiled once per process, on
+    its first use."""
+    return InductorSegment(source, inputs, where)
+
+
+def _compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
     key = _key(source, inputs)
     with _LOCK:
         found = SEGMENTS.get(key)
@@ -279,11 +308,7 @@ def compiled_segment(source: fx.GraphModule, inputs: tuple[Meta, ...], where: st
             found = SEGMENTS[key] = _compile(source, inputs)
         else:
             STATS.hits += 1
-    compiled, reason = found
-    if compiled is None:
-        warnings.warn(f"Inductor could not compile a segment of {where} ({len(source.graph.nodes)} nodes); "
-                      f"it runs un-compiled. {reason}", InductorFallbackWarning, stacklevel=2)
-    return InductorSegment(source, compiled, inputs, reason)
+    return found
 
 
 # -- splitting graphs ------------------------------------------------------------------------------------
