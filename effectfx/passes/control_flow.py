@@ -9,7 +9,6 @@ the results; every subgraph of the node takes and returns the tokens of every ke
 
 from __future__ import annotations
 
-import operator
 import re
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..runtime.printing import control_flow_graphs
-from .rewrite import GraphContext, Results, get_attr, set_attr
+from .rewrite import GraphContext, Results, get_attr, set_attr, wrapped_results
 
 TOKEN_ARG = {ops.cond: 3, ops.while_loop: 2, ops.scan: 1}
 META = "effectfx_control_flow"  # a subgraph of control flow: the token keys at its boundary
@@ -116,18 +115,7 @@ def unlift(ctx: GraphContext, node: fx.Node, form: str) -> Any:
     call = ctx.graph.call_function(ops.with_effects, (
         new_tokens[0] if n == 1 else tuple(new_tokens), node.target, *ctx.args(args, node)))
     call.meta.update(node.meta)
-    made: dict[int, fx.Node] = {}
-
-    def token_of(index: int) -> fx.Node:
-        if -1 not in made:
-            made[-1] = ctx.graph.call_function(operator.getitem, (call, 0))
-        if n == 1:
-            return made[-1]
-        if index not in made:
-            made[index] = ctx.graph.call_function(operator.getitem, (made[-1], index))
-        return made[index]
-
-    return Results(call, n_tokens=n, shift=n - 1, token_of=token_of)
+    return wrapped_results(ctx, call, n)
 
 
 def verify_node(verifier: Any, check: Any, gm: fx.GraphModule, node: fx.Node, wrapped: bool) -> tuple:

@@ -231,3 +231,20 @@ def returns_single_value(op: Any, node: fx.Node) -> bool:
         return len(returns) == 1 and not str(returns[0].type).endswith("[]") and \
             not str(returns[0].type).startswith("List[")
     return not isinstance(node.meta.get("val"), (tuple, list))
+
+
+def wrapped_results(ctx: GraphContext, call: fx.Node, n: int) -> Results:
+    """How users of a node now wrapped as ``with_effects(token(s), ...)`` find its results: element 0 is
+    the token (or the tuple of ``n`` tokens), getitems made on first use, the other results shifted."""
+    made: dict[int, fx.Node] = {}
+
+    def token_of(index: int) -> fx.Node:
+        if -1 not in made:
+            made[-1] = ctx.graph.call_function(operator.getitem, (call, 0))
+        if n == 1:
+            return made[-1]
+        if index not in made:
+            made[index] = ctx.graph.call_function(operator.getitem, (made[-1], index))
+        return made[index]
+
+    return Results(call, n_tokens=n, shift=n - 1, token_of=token_of)

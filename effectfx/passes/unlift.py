@@ -36,7 +36,7 @@ from .. import ops
 from ..runtime.program import Program
 from . import control_flow
 from .pipeline import run_passes
-from .rewrite import GraphContext, GraphRewrite, Results, boundary_keys
+from .rewrite import GraphContext, GraphRewrite, boundary_keys, wrapped_results
 
 
 def make_token_name(key: str, n_keys: int) -> str:
@@ -83,18 +83,7 @@ class UnliftTokens(GraphRewrite):
             (token_arg, ops.invoke_subgraph, ctx.env[attr], identifier, *ctx.args(operands[n:], node)),
         )
         call.meta.update(node.meta)
-        made: dict[int, fx.Node] = {}
-
-        def token_of(index: int) -> fx.Node:
-            if -1 not in made:  # element 0 of the result: the token, or the tuple of tokens
-                made[-1] = ctx.graph.call_function(operator.getitem, (call, 0))
-            if n == 1:
-                return made[-1]
-            if index not in made:
-                made[index] = ctx.graph.call_function(operator.getitem, (made[-1], index))
-            return made[index]
-
-        return Results(call, n_tokens=n, shift=n - 1, token_of=token_of)
+        return wrapped_results(ctx, call, n)
 
 
 def unlift_tokens_pass(prog: Program) -> Program:
