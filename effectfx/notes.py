@@ -94,10 +94,17 @@ program (at run time) -- take their gradients unmaterialized; when some are miss
 backward for exactly the outputs that got one, which is traced once per set: the code is traced again
 (same arguments, same grad mode and autocast) with ``torch.autograd.grad`` over those outputs only, and
 that trace's backward is kept; its forward is dropped.  The traces run the same forward, so the values
-the new backward reads are found among the saved values of the first by node name (and metadata); a
-mismatch is an error, never a guess.  A region's such backward is a subgraph of its own
-(``<body>_backward_01``: which outputs, in order), with the body's identifier.  A compiled program checks
-its guards before tracing again; a loaded program cannot trace and refuses with ``PartialBackwardError``.
+the new backward reads are found among the saved values of the first by node name (and metadata), and
+every node the new forward kept must be the first's, arguments and constants included; a mismatch is an
+error, never a guess.  A region's such backward is a subgraph of its own (``<body>_backward_01``: which
+outputs, in order), with the body's identifier.  A loaded program cannot trace and refuses with
+``PartialBackwardError``.
+
+No new trace is needed when each output without a gradient is *covered*: the autograd graph of an output
+that has one reaches its ``grad_fn`` (a model's logits, from the loss computed from them).  The engine then
+runs the very same formulas, and the full backward with zero tangents for the covered outputs is autograd's
+own (``x + 0`` is ``x``).  A compiled program records, per differentiable output, which others cover it
+(``TracedGraph.covered_by``, walked over the fake autograd graph at capture; kept by save/load).
 
 Note [Mutations]
 ~~~~~~~~~~~~~~~~

@@ -151,3 +151,29 @@ def test_loaded_program_refuses_a_partial_backward() -> None:
     (a.sum() + b.sum()).backward()  # every output: runs
     with pytest.raises(efx.PartialBackwardError, match="Use every output in the loss"):
         loaded(x, y)[1].sum().backward()
+
+
+def _loss_and_logits(x, w):
+    logits = R.scale(x @ w, 2.0)
+    return logits.logsumexp(-1).mean(), logits
+
+
+def test_backward_of_a_loss_from_its_logits_needs_no_new_trace() -> None:
+    # the loss's backward reaches the logits' own: the full backward with a zero tangent for the logits runs
+    # exactly eager's formulas, so nothing is traced again -- also for a saved and loaded program
+    x, w = torch.randn(3, 4), x_grad(4, 5)
+    with recording() as eager_log:
+        _loss_and_logits(x, w)[0].backward()
+    eager = w.grad.clone()
+    prog = efx.capture(_loss_and_logits, x, w)
+    assert prog.covered_by == (frozenset(), frozenset({0}))  # the logits are reached from the loss
+    buf = io.BytesIO()
+    efx.remove_effect_tokens(prog).save(buf)
+    buf.seek(0)
+    compiled = efx.compile(_loss_and_logits)
+    for run in (compiled, prog, efx.load(buf)):
+        w.grad = None
+        with recording() as log:
+            run(x, w)[0].backward()
+        assert log == eager_log and torch.equal(w.grad, eager)
+    assert not prog.partial and not compiled.programs()[0].partial

@@ -148,7 +148,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         same_forward(traced.forward, prog.forward.graph_module, name)
         return prog
 
-    return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace)
+    return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace,
+                           traced.covered_by)
 
 
 def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> None:

@@ -81,6 +81,8 @@ class TracedGraph:
     grad_meta: list[TensorMeta | None] = field(default_factory=list)  # per backward output
     # inputs written in place, by index: their new values are the last tensor outputs (Note [Mutations])
     mutated: tuple[int, ...] = ()
+    # per differentiable output: the others whose backward reaches its own (Note [Partial backward])
+    covered_by: tuple[frozenset[int], ...] = ()
 
     @property
     def n_outs(self) -> int:

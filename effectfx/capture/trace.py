@@ -171,6 +171,23 @@ def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str
     return spec, layout, tensors
 
 
+def _covered_by(outs: list[torch.Tensor]) -> tuple[frozenset[int], ...]:
+    """For each output, the other outputs whose autograd graph reaches its own ``grad_fn``: a backward
+    from those runs every formula it would run (Note [Partial backward])."""
+    reached = []
+    for out in outs:
+        seen: set[Any] = set()
+        stack = [out.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.extend(f for f, _ in fn.next_functions)
+        reached.append(seen)
+    return tuple(frozenset(j for j, seen in enumerate(reached) if j != i and out.grad_fn is not None
+                           and out.grad_fn in seen) for i, out in enumerate(outs))
+
+
 def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: str,
                 fn: Any = None, grad_outputs: tuple[bool, ...] | None = None) -> TracedGraph:
     """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph.
@@ -230,6 +247,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             tangent = tracer.new_fake(TensorMeta.of(t).without_grad())
             builder.placeholder(f"tangent_{i}", tangent).meta["tangent"] = True
             tangents.append(tangent)
+        covered_by = _covered_by(diff_outs) if grad_outputs is None and scope.region is None else ()
         n_inputs = len(scope.values)
         wrt = [v for v in scope.values if isinstance(v, torch.Tensor) and v.requires_grad]
         grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
@@ -250,5 +268,5 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         saved_names=tuple(n.name for n in part.saved),
         tangent_mask=tangent_mask, grad_mask=grad_mask,
         grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],
-        mutated=tuple(scope.nodes.index(n) for n, _ in written),
+        mutated=tuple(scope.nodes.index(n) for n, _ in written), covered_by=covered_by,
     )

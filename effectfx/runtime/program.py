@@ -237,6 +237,7 @@ class _RunTraining(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, m in zip(outs, prog.tangent_mask) if not m])
         ctx.set_materialize_grads(False)  # an output nothing used gets no gradient: Note [Partial backward]
+        ctx.zeros = [(o.shape, o.dtype, o.device) for o, m in zip(outs, prog.tangent_mask) if m]
         return tuple(outs)
 
     @staticmethod
@@ -244,6 +245,10 @@ class _RunTraining(torch.autograd.Function):
         prog: TrainingProgram = ctx.prog
         tangents = [g for g, m in zip(grads, prog.tangent_mask) if m]
         live = tuple(g is not None for g in tangents)
+        if not all(live) and prog.covers(live):  # the full backward runs the same formulas: zeros are exact
+            tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                        for g, (shape, dtype, device) in zip(tangents, ctx.zeros)]
+            live = (True,) * len(live)
         if all(live):
             results = iter(prog.backward.run_flat([*ctx.saved_tensors, *tangents]))
         else:
@@ -267,7 +272,15 @@ class TrainingProgram:
     # traces the program anew for a backward of some outputs only (None: a loaded program)
     retrace: Callable[[tuple[bool, ...]], TrainingProgram] | None = field(default=None, compare=False,
                                                                           repr=False)
+    covered_by: tuple[frozenset[int], ...] = ()  # per differentiable output (TracedGraph.covered_by)
     partial: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def covers(self, live: tuple[bool, ...]) -> bool:
+        """Whether the backward of the outputs in ``live`` reaches every other one's (a model's logits,
+        from its loss): the full backward with zero tangents for the others is then autograd's own."""
+        present = {j for j, m in enumerate(live) if m}
+        return len(self.covered_by) == len(live) and all(
+            m or self.covered_by[i] & present for i, m in enumerate(live))
 
     def partial_backward(self, live: tuple[bool, ...]) -> tuple[Program, tuple[int, ...]]:
         """The backward for the differentiable outputs ``live`` selects, and which saved values it reads

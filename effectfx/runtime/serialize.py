@@ -7,7 +7,7 @@ Format (version 1): a zip file with two members.
     {"format": "effectfx-program", "version": 1, "kind": "program" | "training",
      "program": PROGRAM}                                   # kind "program"
      "forward": PROGRAM, "backward": PROGRAM,              # kind "training"
-     "tangent_mask": [bool], "grad_mask": [bool]}
+     "tangent_mask": [bool], "grad_mask": [bool], "covered_by": [[int]]}
 
     PROGRAM = {"name", "form": "token-free", "n_extra_outputs", "mutations": [input index],
                "history": [[pass, seconds]],
@@ -223,7 +223,8 @@ def save(prog: Program | TrainingProgram, path: str | Path) -> None:
     if isinstance(prog, TrainingProgram):
         doc.update(kind="training", forward=saver.program(prog.forward, "forward."),
                    backward=saver.program(prog.backward, "backward."),
-                   tangent_mask=list(prog.tangent_mask), grad_mask=list(prog.grad_mask))
+                   tangent_mask=list(prog.tangent_mask), grad_mask=list(prog.grad_mask),
+                   covered_by=[sorted(c) for c in prog.covered_by])
     else:
         doc.update(kind="program", program=saver.program(prog, ""))
     buffer = io.BytesIO()
@@ -351,5 +352,6 @@ def load(path: str | Path) -> Program | TrainingProgram:
     loader = _Loader(doc, tensors)
     if doc["kind"] == "training":
         return TrainingProgram(loader.program(doc["forward"]), loader.program(doc["backward"]),
-                               tuple(doc["tangent_mask"]), tuple(doc["grad_mask"]))
+                               tuple(doc["tangent_mask"]), tuple(doc["grad_mask"]),
+                               covered_by=tuple(frozenset(c) for c in doc.get("covered_by", ())))
     return loader.program(doc["program"])
