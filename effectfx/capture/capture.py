@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -106,13 +105,12 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     )
     _refuse_written_views(traced, leaves, names)
     n_user = sum(1 for s in traced.sources if s.kind == "arg")
+    tensor_meta = tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta) if s.kind == "arg")
     signature = InputSignature(
-        spec,
-        tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta) if s.kind == "arg"),
+        spec, tensor_meta,
         tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)),
+        aliases=alias_pattern(leaves, tensor_meta), views=alias_pattern(leaves, tensor_meta, bases=True),
     )
-    signature = dataclasses.replace(signature, aliases=alias_pattern(leaves, signature.tensor_meta))
-    signature = dataclasses.replace(signature, views=alias_pattern(leaves, signature.tensor_meta, bases=True))
     lifted = tuple(s.tensor for s in traced.sources[n_user:])
     record = (PassRecord("capture", time.perf_counter() - start),)
     name = getattr(fn, "__name__", type(fn).__name__)
@@ -136,9 +134,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     ambient_state = ambient_context()
     # what a retrace needs of the arguments, without keeping the caller's tensors alive
     others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    first: dict[int, int] = {}  # the same tensor passed twice (input_ids=ids, labels=ids) stays one tensor
-    grads = {i: (leaf.requires_grad, leaf.is_leaf, first.setdefault(id(leaf), i))
-             for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    grads = {i: (leaf.requires_grad, leaf.is_leaf) for i, leaf in enumerate(leaves)
+             if isinstance(leaf, torch.Tensor)}
 
     def retrace(live: tuple[bool, ...]) -> TrainingProgram:
         with ambient_state:
@@ -172,17 +169,18 @@ def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> N
             )
 
 
-def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tuple[bool, bool, int]]
-              ) -> list[Any]:
-    """Leaves like the captured ones: new tensors with their metadata (``grads``: requires_grad, is_leaf
-    and the first leaf that is the same tensor, as the call had them), the other values as they were."""
+def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tuple[bool, bool]]) -> list[Any]:
+    """Leaves like the captured ones: new tensors with their metadata (``grads``: requires_grad and
+    is_leaf, as the call had them; the same tensor passed twice, ``signature.aliases``, stays one tensor --
+    ``model(ids, labels=ids)``), the other values as they were."""
     new = list(others)
-    for index, meta in signature.tensor_meta:
-        requires_grad, is_leaf, same = grads[index]
+    for k, (index, meta) in enumerate(signature.tensor_meta):
+        same = signature.aliases[k] if signature.aliases else index
         if same != index:
             new[index] = new[same]
             continue
         t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+        requires_grad, is_leaf = grads[index]
         if requires_grad:
             t.requires_grad_()
             if not is_leaf:

@@ -247,7 +247,9 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             tangent = tracer.new_fake(TensorMeta.of(t).without_grad())
             builder.placeholder(f"tangent_{i}", tangent).meta["tangent"] = True
             tangents.append(tangent)
-        covered_by = _covered_by(diff_outs) if grad_outputs is None and scope.region is None else ()
+        # the root's outputs only, and only when there are several (Note [Partial backward])
+        root = grad_outputs is None and scope.region is None and len(diff_outs) > 1
+        covered_by = _covered_by(diff_outs) if root else ()
         n_inputs = len(scope.values)
         wrt = [v for v in scope.values if isinstance(v, torch.Tensor) and v.requires_grad]
         grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()

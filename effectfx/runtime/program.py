@@ -237,7 +237,8 @@ class _RunTraining(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, m in zip(outs, prog.tangent_mask) if not m])
         ctx.set_materialize_grads(False)  # an output nothing used gets no gradient: Note [Partial backward]
-        ctx.zeros = [(o.shape, o.dtype, o.device) for o, m in zip(outs, prog.tangent_mask) if m]
+        if prog.covered_by:  # several differentiable outputs: a backward may get some gradients only
+            ctx.zeros = [(o.shape, o.dtype, o.device) for o, m in zip(outs, prog.tangent_mask) if m]
         return tuple(outs)
 
     @staticmethod
