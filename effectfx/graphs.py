@@ -4,16 +4,24 @@
 warn about raw SymInts, which is most of the ~40 us a node costs.  effectfx traces static shapes only (no
 SymInt ever reaches a graph), and a capture creates a node per op and per region call site, so it skips
 that walk (about 5x cheaper per node).  Code generation is deferred until a module is printed or run,
-because most graphs of a capture are intermediate (joint graphs, forms that passes immediately rewrite).
+because most graphs of a capture are intermediate (joint graphs, forms that passes immediately rewrite),
+and the code a GraphModule runs comes from effectfx's lean generator (``effectfx.codegen``); printing
+still uses FX's.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph import PythonCode
+
+from .codegen import runtime_code
+
+_RUNTIME = threading.local()  # set while a GraphModule generates the code it runs
 
 
 class Graph(fx.Graph):
@@ -24,6 +32,29 @@ class Graph(fx.Graph):
             node._update_args_kwargs(tuple(args or ()), dict(kwargs or {}))
         return node
 
+    def python_code(self, root_module: str, **kwargs: Any) -> PythonCode:
+        # codegens that run effectfx's graphs say how they call operators; any other (FX's pytree
+        # convention, say) and any printing option get FX's generator
+        plain = "overload" if type(self._codegen) is fx.graph.CodeGen else None
+        calls = getattr(self._codegen, "runtime_calls", plain)
+        running = getattr(_RUNTIME, "active", False) and root_module == "self" and not any(kwargs.values())
+        if running and calls:
+            code = runtime_code(self, direct=calls == "direct")
+            if code is not None:
+                return code
+        return super().python_code(root_module, **kwargs)
+
+
+class GraphModule(_LazyGraphModule):
+    """A lazily compiled GraphModule whose code comes from ``effectfx.codegen``."""
+
+    def _real_recompile(self) -> PythonCode:
+        previous, _RUNTIME.active = getattr(_RUNTIME, "active", False), True
+        try:
+            return super()._real_recompile()
+        finally:
+            _RUNTIME.active = previous
+
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
-    return _LazyGraphModule(root, graph, class_name)
+    return GraphModule(root, graph, class_name)

@@ -28,6 +28,8 @@ class EffectCodeGen(fx.graph.CodeGen):
     ``with_effects(token, invoke_subgraph, ...)``); stock FX prints a plain function argument as its repr,
     which is not Python."""
 
+    runtime_calls = "overload"  # the code graphs run calls each OpOverload (effectfx.codegen)
+
     _FUNCTION_REPR = re.compile(r"<function (invoke_subgraph|cond|while_loop|scan) at 0x[0-9a-fA-F]+>")
 
     def _gen_python_code(self, *args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,8 @@ def graph_code(gm: fx.GraphModule, name: str = "forward") -> str:
     """The body of ``gm`` as Python, without FX's bookkeeping (``x = None`` frees, blank lines)."""
     display = getattr(gm.graph._codegen, "display_names", None)  # passes.direct_calls: ops by their names
     lines = []
-    for line in gm.code.splitlines():
+    # FX's generator: the code a graph runs comes from effectfx.codegen, which is for running only
+    for line in fx.Graph.python_code(gm.graph, root_module="self").src.splitlines():
         if not line.strip():
             continue
         line = _DEL_SUFFIX.sub("", line.rstrip())
