@@ -12,6 +12,7 @@ still uses FX's.
 from __future__ import annotations
 
 import threading
+import types
 from typing import Any
 
 import torch
@@ -24,7 +25,23 @@ from .codegen import runtime_code
 _RUNTIME = threading.local()  # set while a GraphModule generates the code it runs
 
 
+def _lasting(target: Any) -> bool:
+    return isinstance(target, (torch._ops.OpOverload, types.BuiltinFunctionType)) or (
+        getattr(target, "__module__", "") == "effectfx.ops")
+
+
 class Graph(fx.Graph):
+    # FX's name for a target is a regex away: once per operator (a bounded set, unlike user functions)
+    _target_names: dict[Any, str] = {}
+
+    def _target_to_str(self, target: Any) -> str:
+        name = self._target_names.get(target) if _lasting(target) else None
+        if name is None:
+            name = super()._target_to_str(target)
+            if _lasting(target):
+                self._target_names[target] = name
+        return name
+
     def create_node(self, op: str, target: Any, args: tuple | None = None, kwargs: dict | None = None,
                     name: str | None = None, type_expr: Any | None = None) -> fx.Node:
         node = super().create_node(op, target, None, None, name, type_expr)

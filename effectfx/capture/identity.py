@@ -53,8 +53,14 @@ def module_structure(module: torch.nn.Module) -> tuple:
     """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards."""
     from .region_call import module_tensors
 
-    classes = tuple((prefix, class_of(sub)) for prefix, sub in module.named_modules())
-    return (classes, tuple((name, TensorMeta.of(t)) for name, t in module_tensors(module)))
+    classes = []
+    tensors = []
+    for prefix, sub, named in module_tensors(module, with_modules=True):
+        if sub is not None:
+            classes.append((prefix, class_of(sub)))
+        else:
+            tensors.append((prefix, TensorMeta.of(named)))
+    return (tuple(classes), tuple(tensors))
 
 
 def leaf_key(value: Any, labels: bool = True) -> Any:

@@ -13,7 +13,7 @@ import inspect
 import operator
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .. import ops
-from ..errors import RegionRecursionError, UnsupportedMutationError
+from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError
 from ..regions import Region
 from .identity import ambient_context, call_key, code_reads, guards_hold, key_labels, resolve
 from .meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
@@ -56,6 +56,13 @@ class RegionBody:
     key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations
     trace_seconds: float = 0.0
     partial: dict[tuple[bool, ...], PartialBackward] = field(default_factory=dict)  # by outputs with grads
+    _saved_values: list[torch.Tensor] | None = None
+
+    def saved_values(self, tracer: Tracer) -> list[torch.Tensor]:
+        """Fakes with the metadata of the saved values, shared by every call site's saved nodes."""
+        if self._saved_values is None:
+            self._saved_values = [tracer.new_fake(m.without_grad()) for m in self.traced.saved_meta]
+        return self._saved_values
 
     @property
     def backward_attr(self) -> str:
@@ -67,16 +74,21 @@ class RegionBody:
         return (self.key, self.guards)
 
 
-def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def module_tensors(module: torch.nn.Module, with_modules: bool = False) -> Iterator[tuple[str, Any]]:
     """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
-    stored as ``self.mask = ...``), which differ between instances just as parameters do."""
+    stored as ``self.mask = ...``), which differ between instances just as parameters do.  With
+    ``with_modules``, ``(prefix, submodule, None)`` precedes each submodule's ``(name, None, tensor)``: the
+    key of a call site walks the module once (``identity.module_structure``)."""
     seen: set[int] = set()
     for prefix, sub in module.named_modules():  # one walk: every call site keys its module by this
+        if with_modules:
+            yield prefix, sub, None
         for table in (sub._parameters, sub._buffers, vars(sub)):
             for k, v in table.items():
                 if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
                     seen.add(id(v))
-                    yield (f"{prefix}.{k}" if prefix else k), v
+                    name = f"{prefix}.{k}" if prefix else k
+                    yield (name, None, v) if with_modules else (name, v)
 
 
 def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}") -> list[str]:
@@ -121,21 +133,30 @@ def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr: str,
-                operands: list[Any], metas: list[TensorMeta | None]) -> list[Any]:
-    """Emit ``invoke_subgraph`` in the current graph and return fresh fakes for its results."""
+                operands: list[Any], metas: list[TensorMeta | None], hidden: Sequence[torch.Tensor] = ()
+                ) -> list[Any]:
+    """Emit ``invoke_subgraph`` in the current graph and return fresh fakes for its results.  Operands may
+    be nodes of this graph already.  The last ``len(hidden)`` results are returned as ``getitem`` nodes
+    only: values no user code sees (a body's saved values) need no fake of their own, and every call site
+    shares ``hidden``'s as their nodes' metadata."""
+    n_tensors = len(metas) - len(hidden)
     builder = tracer.builder
     labels = getattr(builder, "labels", None)
-    nodes = [labels.node_for(v) if labels is not None and isinstance(v, str) else
-             builder.node_of(tracer.to_fake(raw(v))) for v in operands]
+    nodes = [v if type(v) is fx.Node else labels.node_for(v) if labels is not None and isinstance(v, str)
+             else builder.node_of(tracer.to_fake(raw(v))) for v in operands]
     call = builder.call(ops.invoke_subgraph, (builder.get_attr(subgraph, attr), identifier, *nodes))
     results: list[Any] = []
     for i, meta in enumerate(metas):
         if meta is None:
             results.append(None)
-            continue
-        fake = tracer.new_fake(meta.without_grad())
-        builder.bind(fake, builder.call(operator.getitem, (call, i)))
-        results.append(fake)
+        elif i >= n_tensors:
+            item = builder.call(operator.getitem, (call, i))
+            item.meta["val"] = hidden[i - n_tensors]
+            results.append(item)
+        else:
+            fake = tracer.new_fake(meta.without_grad())
+            builder.bind(fake, builder.call(operator.getitem, (call, i)))
+            results.append(fake)
     return results
 
 
@@ -147,7 +168,7 @@ class RegionCall(torch.autograd.Function):
                 *operands: Any) -> tuple:
         traced = body.traced
         results = emit_invoke(tracer, traced.forward, body.identifier, body.attr, list(operands),
-                              [*traced.out_meta, *traced.saved_meta])
+                              [*traced.out_meta, *traced.saved_meta], body.saved_values(tracer))
         outs = results[: traced.n_outs]
         ctx.tracer, ctx.body, ctx.saved = tracer, body, results[traced.n_outs:]
         ctx.call = call
@@ -161,6 +182,12 @@ class RegionCall(torch.autograd.Function):
         traced = body.traced
         tangents = [g for g, m in zip(grads, traced.tangent_mask) if m]
         live = tuple(g is not None for g in tangents)
+        if ctx.saved and ctx.saved[0].graph is not ctx.tracer.builder.graph:
+            raise CaptureError(
+                f"the backward of region {body.region.name!r} ({body.identifier}) runs while another graph "
+                f"is being traced (torch.autograd.grad inside a region, of a tensor its caller computed?) "
+                f"at {user_location()}; take the gradient in the code that calls the region."
+            )
         assert traced.backward is not None
         if all(live):
             results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
