@@ -50,10 +50,10 @@ class Graph(fx.Graph):
         return node
 
     def python_code(self, root_module: str, **kwargs: Any) -> PythonCode:
-        # codegens that run effectfx's graphs say how they call operators; any other (FX's pytree
-        # convention, say) and any printing option get FX's generator
+        # codegens that run effectfx's graphs say how they call operators (so may the module running the
+        # graph); any other codegen (FX's pytree convention, say) and any printing option get FX's
         plain = "overload" if type(self._codegen) is fx.graph.CodeGen else None
-        calls = getattr(self._codegen, "runtime_calls", plain)
+        calls = getattr(_RUNTIME, "calls", None) or getattr(self._codegen, "runtime_calls", plain)
         running = getattr(_RUNTIME, "active", False) and root_module == "self" and not any(kwargs.values())
         if running and calls:
             code = runtime_code(self, direct=calls == "direct")
@@ -63,14 +63,19 @@ class Graph(fx.Graph):
 
 
 class GraphModule(_LazyGraphModule):
-    """A lazily compiled GraphModule whose code comes from ``effectfx.codegen``."""
+    """A lazily compiled GraphModule whose code comes from ``effectfx.codegen``.  ``runtime_calls``
+    ("direct" or "overload"), when set, says how its code calls operators whatever the graph's codegen:
+    a module may run a graph another module holds too (``passes.simplify`` shares unchanged graphs)."""
+
+    runtime_calls: str | None = None
 
     def _real_recompile(self) -> PythonCode:
-        previous, _RUNTIME.active = getattr(_RUNTIME, "active", False), True
+        previous = getattr(_RUNTIME, "active", False), getattr(_RUNTIME, "calls", None)
+        _RUNTIME.active, _RUNTIME.calls = True, self.runtime_calls
         try:
             return super()._real_recompile()
         finally:
-            _RUNTIME.active = previous
+            _RUNTIME.active, _RUNTIME.calls = previous
 
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:

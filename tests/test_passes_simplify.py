@@ -72,3 +72,20 @@ def test_direct_op_calls_change_the_code_not_the_printout() -> None:
     assert "torch.ops.aten.addmm.default(" in direct.code()
     x = torch.randn(2, 4)
     torch.testing.assert_close(direct(x), simple(x))
+
+
+def test_a_graph_with_nothing_to_simplify_is_shared_not_copied() -> None:
+    """A root that only calls regions keeps its graph (no node copied) in a new module holding the new
+    bodies; the input program is untouched and both still run."""
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(2, 4)
+    plain, simple = _programs(model, x)
+    for before, after in ((plain.forward, simple.forward), (plain.backward, simple.backward)):
+        assert after.graph_module.graph is before.graph_module.graph
+        assert after.graph_module.runtime_calls == "direct" and "_op" not in before.graph_module.code
+        new_bodies, old_bodies = after.subgraphs(), before.subgraphs()
+        assert set(new_bodies) == set(old_bodies)  # the same names, each holding its simplified body
+        assert all(new_bodies[k] is not old_bodies[k] for k in old_bodies)
+    assert "aten.detach" in plain.backward.code() and "aten.detach" not in simple.backward.code()
+    expected = model(x)
+    assert torch.equal(simple(x), expected) and torch.equal(plain(x), expected)

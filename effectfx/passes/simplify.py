@@ -21,10 +21,11 @@ import torch
 import torch.fx as fx
 
 from ..effects import node_effect_keys
+from ..graphs import graph_module
 from ..runtime.program import Program
 from .dce import eliminate_dead_code
 from .direct_calls import DirectOpCodeGen
-from .rewrite import GraphContext, GraphRewrite
+from .rewrite import GraphContext, GraphRewrite, get_attr, set_attr
 
 aten = torch.ops.aten
 
@@ -76,6 +77,21 @@ class Simplify(GraphRewrite):
     def __init__(self, form: str) -> None:
         super().__init__(form)
         self.rules = dict(RULES)
+
+    def rebuild(self, gm: fx.GraphModule, keys: tuple[str, ...]) -> fx.GraphModule:
+        if any(n.op == "call_function" and n.target in self.rules for n in gm.graph.nodes):
+            return super().rebuild(gm, keys)
+        # nothing to simplify (a root that only calls regions, say): a new module around the same graph,
+        # holding the new bodies under the same names -- no node is copied, and graphs are never changed
+        # once built, so sharing one is safe
+        holder = torch.nn.Module()
+        for node in gm.graph.find_nodes(op="get_attr"):
+            sub = get_attr(gm, node.target)
+            set_attr(holder, node.target, self.body(sub) if isinstance(sub, fx.GraphModule) else sub)
+        new = graph_module(holder, gm.graph, gm.__class__.__name__)
+        new.meta.update(gm.meta)
+        new.runtime_calls = "direct"
+        return new
 
     def done(self, gm: fx.GraphModule) -> None:
         eliminate_dead_code(gm.graph)  # the transposes a fold left without users
