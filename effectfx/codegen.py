@@ -11,7 +11,8 @@ handful of nodes per region call site, the largest cost per site.  Code to run n
   at once;
 * operators, functions and every constant that is not a plain literal are bound as globals, so the source
   never depends on a repr round-tripping;
-* a value is released (``x = None``) after its last use, as FX's code does: peak memory is the same.
+* a computed value is released (``x = None``) after its last use, as FX's code does: peak memory is the
+  same (inputs are not: the caller's argument list holds them for the whole call anyway).
 
 Anything else (``call_module`` nodes, placeholders with defaults, pytree calling conventions, attribute
 paths that are not identifiers) goes to FX's generator, which stays the only one used for printing.
@@ -136,10 +137,11 @@ def _generate(graph: fx.Graph, direct: bool) -> PythonCode:
                 used = [(k, u) for k, u in items if u.users]
                 unpacked[node] = sorted(used, key=lambda item: index[item[1]])
                 folded.update((user, node) for _, user in items)
-    # each bound value is released after the line of its last user (never its own folded items)
+    # each computed value is released after the line of its last user (never its own folded items);
+    # inputs and attributes are not: the caller and the module hold them anyway
     released: dict[fx.Node, list[str]] = {}
     for node in nodes:
-        if node.users and node not in unpacked:
+        if node.users and node not in unpacked and node.op not in ("placeholder", "get_attr"):
             last = max(node.users, key=index.__getitem__)
             if last.op != "output":
                 released.setdefault(last, []).append(node.name)

@@ -40,7 +40,7 @@ def test_golden_lean_code() -> None:
     assert code is not None
     assert code.src.strip() == textwrap.dedent("""\
         def forward(self, x):
-            getitem, getitem_1 = _g1_items(_g0__pair(x)); x = None
+            getitem, getitem_1 = _g1_items(_g0__pair(x))
             getitem_3 = getitem_1[0]
             getitem_4 = getitem_1[1]; getitem_1 = None
             add_tensor = _g2_op_add(getitem, getitem_3, alpha=2); getitem = getitem_3 = None
