@@ -154,17 +154,27 @@ def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr:
             item.meta["val"] = hidden[i - n_tensors]
             results.append(item)
         else:
-            fake = tracer.new_fake(meta.without_grad())
+            fake = tracer.new_fake(meta, requires_grad=False)
             builder.bind(fake, builder.call(operator.getitem, (call, i)))
             results.append(fake)
     return results
+
+
+class CallSite:
+    """What a call site's backward may need to trace the body again (Note [Partial backward]).  One
+    object, not a tuple: ``Function.apply`` walks its arguments with pytree, and this is a leaf."""
+
+    __slots__ = ("leaves", "spec", "args", "kwargs", "ambient")
+
+    def __init__(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict, ambient: Any) -> None:
+        self.leaves, self.spec, self.args, self.kwargs, self.ambient = leaves, spec, args, kwargs, ambient
 
 
 class RegionCall(torch.autograd.Function):
     """A region call under autograd: forward emits the forward body, backward the backward body."""
 
     @staticmethod
-    def forward(ctx: Any, tracer: Tracer, body: RegionBody, call: tuple,  # type: ignore[override]
+    def forward(ctx: Any, tracer: Tracer, body: RegionBody, call: CallSite,  # type: ignore[override]
                 *operands: Any) -> tuple:
         traced = body.traced
         results = emit_invoke(tracer, traced.forward, body.identifier, body.attr, list(operands),
@@ -229,7 +239,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         else:
             operands.append(src.tensor)
     if traced.backward is not None:
-        outs = list(RegionCall.apply(tracer, body, (leaves, spec, args, kwargs, ambient_context()),
+        outs = list(RegionCall.apply(tracer, body, CallSite(leaves, spec, args, kwargs, ambient_context()),
                                      *operands))
     else:
         outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
@@ -334,13 +344,13 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     return body
 
 
-def _partial_backward(tracer: Tracer, body: RegionBody, call: tuple, live: tuple[bool, ...]
+def _partial_backward(tracer: Tracer, body: RegionBody, call: CallSite, live: tuple[bool, ...]
                       ) -> PartialBackward:
     """The body's backward for the outputs in ``live`` only (Note [Partial backward]), traced once."""
     found = body.partial.get(live)
     if found is not None:
         return found
-    leaves, spec, args, kwargs, ambient_state = call  # as RegionCall.apply got them in call_region
+    leaves, spec, args, kwargs, ambient_state = call.leaves, call.spec, call.args, call.kwargs, call.ambient
     counts = dict(tracer.region_calls)  # the retrace's region calls are not call sites of the program
     with ambient_state:
         traced, _ = _trace(tracer, body.region, leaves, spec, args, kwargs, live)

@@ -142,15 +142,16 @@ class Tracer(TorchDispatchMode):
             self.keepalive.append(value)
         return fake
 
-    def new_fake(self, meta: TensorMeta) -> torch.Tensor:
-        """A fresh fake tensor with the given TensorMeta, created without recording anything."""
+    def new_fake(self, meta: TensorMeta, requires_grad: bool | None = None) -> torch.Tensor:
+        """A fresh fake tensor with the given TensorMeta (``requires_grad`` overriding its flag), created
+        without recording anything."""
         # straight from a meta tensor: ~10x cheaper than a factory call through the fake mode
         with torch._C._DisableTorchDispatch():
             storage = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
         make = self._fake_makers.get(meta.device)
         if make is None:
             make = self._fake_makers[meta.device] = _fake_maker(self.fake_mode, meta.device)
-        return make(storage, meta.requires_grad)
+        return make(storage, meta.requires_grad if requires_grad is None else requires_grad)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
