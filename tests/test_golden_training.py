@@ -68,14 +68,12 @@ def forward(self, token_memory, token_stdout, x, blocks_0_lin_weight, blocks_0_l
     getitem_2 = invoke_subgraph[1]
     getitem_3 = invoke_subgraph[2]
     getitem_4 = invoke_subgraph[3]
-    getitem_5 = invoke_subgraph[4]
     invoke_subgraph_1 = effectfx.ops.invoke_subgraph(block_forward_subgraph0, 'subgraph_0', getitem_1, getitem_2, blocks_1_lin_weight, blocks_1_lin_bias)
-    getitem_6 = invoke_subgraph_1[0]
-    getitem_7 = invoke_subgraph_1[1]
-    getitem_8 = invoke_subgraph_1[2]
-    getitem_9 = invoke_subgraph_1[3]
-    getitem_10 = invoke_subgraph_1[4]
-    return (getitem_6, getitem, getitem_7, getitem_3, getitem_4, getitem_5, getitem_8, getitem_9, getitem_10)
+    getitem_5 = invoke_subgraph_1[0]
+    getitem_6 = invoke_subgraph_1[1]
+    getitem_7 = invoke_subgraph_1[2]
+    getitem_8 = invoke_subgraph_1[3]
+    return (getitem_5, getitem, getitem_6, x, getitem_2, getitem_3, getitem_4, getitem_7, getitem_8)
 
 # Block_forward_subgraph0: 'subgraph_0'
 def Block_forward_subgraph0(self, token, x, lin_weight, lin_bias):
@@ -86,23 +84,23 @@ def Block_forward_subgraph0(self, token, x, lin_weight, lin_bias):
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
     scale = torch.ops.efxtest.scale.default(relu, 0.5)
-    return (getitem, scale, x, t, detach)
+    return (getitem, scale, t, detach)
 '''
 
 STACK_BACKWARD = '''
-def forward(self, token, getitem_1, getitem_2, getitem_3, getitem_5, getitem_6, getitem_7, tangent_0):
+def forward(self, token, x, getitem, getitem_1, getitem_2, getitem_4, getitem_5, tangent_0):
     block_forward_subgraph0_backward = self.Block_forward_subgraph0_backward
-    invoke_subgraph = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', token, getitem_5, getitem_6, getitem_7, tangent_0)
-    getitem = invoke_subgraph[0]
-    getitem_8 = invoke_subgraph[1]
-    getitem_9 = invoke_subgraph[2]
-    getitem_10 = invoke_subgraph[3]
-    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', getitem, getitem_1, getitem_2, getitem_3, getitem_8)
-    getitem_11 = invoke_subgraph_1[0]
-    getitem_12 = invoke_subgraph_1[1]
-    getitem_13 = invoke_subgraph_1[2]
-    getitem_14 = invoke_subgraph_1[3]
-    return (getitem_11, getitem_12, getitem_13, getitem_14, getitem_9, getitem_10)
+    invoke_subgraph = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', token, getitem, getitem_4, getitem_5, tangent_0)
+    getitem_6 = invoke_subgraph[0]
+    getitem_7 = invoke_subgraph[1]
+    getitem_8 = invoke_subgraph[2]
+    getitem_9 = invoke_subgraph[3]
+    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', getitem_6, x, getitem_1, getitem_2, getitem_7)
+    getitem_10 = invoke_subgraph_1[0]
+    getitem_11 = invoke_subgraph_1[1]
+    getitem_12 = invoke_subgraph_1[2]
+    getitem_13 = invoke_subgraph_1[3]
+    return (getitem_10, getitem_11, getitem_12, getitem_13, getitem_8, getitem_9)
 
 # Block_forward_subgraph0_backward: 'subgraph_0'
 def Block_forward_subgraph0_backward(self, token, x, t, detach, tangent_0):
@@ -130,13 +128,11 @@ def forward(self, x, blocks_0_lin_weight, blocks_0_lin_bias, blocks_1_lin_weight
     getitem = invoke_subgraph[0]
     getitem_1 = invoke_subgraph[1]
     getitem_2 = invoke_subgraph[2]
-    getitem_3 = invoke_subgraph[3]
     invoke_subgraph_1 = effectfx.ops.invoke_subgraph(block_forward_subgraph0, 'subgraph_0', getitem, blocks_1_lin_weight, blocks_1_lin_bias)
-    getitem_4 = invoke_subgraph_1[0]
-    getitem_5 = invoke_subgraph_1[1]
-    getitem_6 = invoke_subgraph_1[2]
-    getitem_7 = invoke_subgraph_1[3]
-    return (getitem_4, getitem_1, getitem_2, getitem_3, getitem_5, getitem_6, getitem_7)
+    getitem_3 = invoke_subgraph_1[0]
+    getitem_4 = invoke_subgraph_1[1]
+    getitem_5 = invoke_subgraph_1[2]
+    return (getitem_3, x, getitem, getitem_1, getitem_2, getitem_4, getitem_5)
 
 # Block_forward_subgraph0: 'subgraph_0'
 def Block_forward_subgraph0(self, x, lin_weight, lin_bias):
@@ -146,21 +142,21 @@ def Block_forward_subgraph0(self, x, lin_weight, lin_bias):
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
     scale = torch.ops.efxtest.scale.default(relu, 0.5)
-    return (scale, x, t, detach)
+    return (scale, t, detach)
 '''
 
 STACK_BACKWARD_CAPTURED = '''
-def forward(self, getitem_1, getitem_2, getitem_3, getitem_5, getitem_6, getitem_7, tangent_0):
+def forward(self, x, getitem, getitem_1, getitem_2, getitem_4, getitem_5, tangent_0):
     block_forward_subgraph0_backward = self.Block_forward_subgraph0_backward
-    invoke_subgraph_2 = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', getitem_5, getitem_6, getitem_7, tangent_0)
-    getitem_8 = invoke_subgraph_2[0]
-    getitem_9 = invoke_subgraph_2[1]
-    getitem_10 = invoke_subgraph_2[2]
-    invoke_subgraph_3 = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', getitem_1, getitem_2, getitem_3, getitem_8)
-    getitem_11 = invoke_subgraph_3[0]
-    getitem_12 = invoke_subgraph_3[1]
-    getitem_13 = invoke_subgraph_3[2]
-    return (getitem_11, getitem_12, getitem_13, getitem_9, getitem_10)
+    invoke_subgraph_2 = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', getitem, getitem_4, getitem_5, tangent_0)
+    getitem_6 = invoke_subgraph_2[0]
+    getitem_7 = invoke_subgraph_2[1]
+    getitem_8 = invoke_subgraph_2[2]
+    invoke_subgraph_3 = effectfx.ops.invoke_subgraph(block_forward_subgraph0_backward, 'subgraph_0', x, getitem_1, getitem_2, getitem_6)
+    getitem_9 = invoke_subgraph_3[0]
+    getitem_10 = invoke_subgraph_3[1]
+    getitem_11 = invoke_subgraph_3[2]
+    return (getitem_9, getitem_10, getitem_11, getitem_7, getitem_8)
 
 # Block_forward_subgraph0_backward: 'subgraph_0'
 def Block_forward_subgraph0_backward(self, x, t, detach, tangent_0):
@@ -185,12 +181,10 @@ def forward(self, token, x):
     invoke_subgraph = effectfx.ops.invoke_subgraph(r_subgraph0, 'subgraph_0', token, x)
     getitem = invoke_subgraph[0]
     getitem_1 = invoke_subgraph[1]
-    getitem_2 = invoke_subgraph[2]
     invoke_subgraph_1 = effectfx.ops.invoke_subgraph(r_subgraph0, 'subgraph_0', getitem, getitem_1)
-    getitem_3 = invoke_subgraph_1[0]
-    getitem_4 = invoke_subgraph_1[1]
-    getitem_5 = invoke_subgraph_1[2]
-    return (getitem_3, getitem_4, getitem_2, getitem_5)
+    getitem_2 = invoke_subgraph_1[0]
+    getitem_3 = invoke_subgraph_1[1]
+    return (getitem_2, getitem_3, x, getitem_1)
 
 # r_subgraph0: 'subgraph_0'
 def r_subgraph0(self, token, x):
@@ -198,19 +192,19 @@ def r_subgraph0(self, token, x):
     getitem = with_effects[0]
     sin = torch.ops.aten.sin.default(x)
     scale = torch.ops.efxtest.scale.default(sin, 2.0)
-    return (getitem, scale, x)
+    return (getitem, scale)
 '''
 
 CHAIN_BACKWARD = '''
-def forward(self, token, getitem_1, getitem_3, tangent_0):
+def forward(self, token, x, getitem, tangent_0):
     r_subgraph0_backward = self.r_subgraph0_backward
-    invoke_subgraph = effectfx.ops.invoke_subgraph(r_subgraph0_backward, 'subgraph_0', token, getitem_3, tangent_0)
-    getitem = invoke_subgraph[0]
-    getitem_4 = invoke_subgraph[1]
-    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(r_subgraph0_backward, 'subgraph_0', getitem, getitem_1, getitem_4)
-    getitem_5 = invoke_subgraph_1[0]
-    getitem_6 = invoke_subgraph_1[1]
-    return (getitem_5, getitem_6)
+    invoke_subgraph = effectfx.ops.invoke_subgraph(r_subgraph0_backward, 'subgraph_0', token, getitem, tangent_0)
+    getitem_1 = invoke_subgraph[0]
+    getitem_2 = invoke_subgraph[1]
+    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(r_subgraph0_backward, 'subgraph_0', getitem_1, x, getitem_2)
+    getitem_3 = invoke_subgraph_1[0]
+    getitem_4 = invoke_subgraph_1[1]
+    return (getitem_3, getitem_4)
 
 # r_subgraph0_backward: 'subgraph_0'
 def r_subgraph0_backward(self, token, x, tangent_0):
@@ -311,11 +305,12 @@ def test_region_bodies_signatures():
     bwd_in = [n.name for n in bwd_body.graph.nodes if n.op == "placeholder"]
     assert fwd_in == ["token", "x", "lin_weight", "lin_bias"]
     fwd_out = next(n for n in fwd_body.graph.nodes if n.op == "output").args[0]
-    n_saved = len(fwd_out) - 2  # token, the block's output, then saved tensors
-    assert n_saved == 3  # what eager saves: addmm's input and weight, relu's result
-    # backward body: token, saved (in the forward body's order), one tangent
-    assert bwd_in[0] == "token" and bwd_in[-1].startswith("tangent")
-    assert len(bwd_in) == 1 + n_saved + 1
+    n_returned = len(fwd_out) - 2  # token, the block's output, then the saved tensors it computed
+    assert n_returned == 2  # of what eager saves (addmm's input and weight, relu's result), all but the input
+    # backward body: token, saved (in the forward body's order, the input x first: each call site passes its
+    # own operand), one tangent
+    assert bwd_in[0] == "token" and bwd_in[1] == "x" and bwd_in[-1].startswith("tangent")
+    assert len(bwd_in) == 1 + 3 + 1
     bwd_out = next(n for n in bwd_body.graph.nodes if n.op == "output").args[0]
     assert len(bwd_out) == 1 + 3  # token, grads of x, weight, bias
     # every call of the forward body feeds its saved tensors to the backward body of the same block

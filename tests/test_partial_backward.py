@@ -29,11 +29,11 @@ def second_only(x):
 
 
 PARTIAL_BACKWARD = '''
-def forward(self, getitem_1, getitem_2, tangent_0):
+def forward(self, x, getitem_1, tangent_0):
     cos = torch.ops.aten.cos.default(getitem_1)
     mul = torch.ops.aten.mul.Tensor(tangent_0, cos)
     scaled_and_squared_subgraph0_backward_01 = self.scaled_and_squared_subgraph0_backward_01
-    invoke_subgraph = effectfx.ops.invoke_subgraph(scaled_and_squared_subgraph0_backward_01, 'subgraph_0', getitem_2, mul)
+    invoke_subgraph = effectfx.ops.invoke_subgraph(scaled_and_squared_subgraph0_backward_01, 'subgraph_0', x, mul)
     getitem = invoke_subgraph[0]
     return (getitem,)
 

@@ -3,6 +3,8 @@
 Contract: requires a graph whose nodes carry ``meta["phase"]`` and whose output is
 ``(*outs, *grads)``; gives a forward graph ``inputs -> (*outs, *saved)`` and a backward graph
 ``(*saved, *tangents) -> grads``, where ``saved`` are exactly the forward values backward nodes read.
+With ``pass_inputs`` (a region body), saved values that are tensor inputs of the forward are not
+returned: the caller already holds them and passes them to the backward itself (``Partition.inputs``).
 Every effectful node survives, in the graph of its phase.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from ..graphs import Graph, graph_module
@@ -21,6 +24,7 @@ class Partition:
     forward: fx.GraphModule
     backward: fx.GraphModule
     saved: list[fx.Node]  # forward-phase nodes of the joint graph, in forward order
+    inputs: tuple[int | None, ...] = ()  # per saved value: its input index when not returned (pass_inputs)
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -46,7 +50,7 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) ->
         env[node] = graph.node_copy(node, lambda n: env[n])
 
 
-def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
+def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = False) -> Partition:
     nodes = list(joint.graph.nodes)
     output = nodes[-1]
     results = list(output.args[0])
@@ -71,12 +75,15 @@ def partition_joint(joint: fx.GraphModule, n_outs: int) -> Partition:
     bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
     bwd = graph_module(joint, bwd_graph, "Backward")
 
+    placeholders = [n for n in nodes if n.op == "placeholder" and n in forward]
+    inputs = tuple(placeholders.index(n) if pass_inputs and n.op == "placeholder" and isinstance(
+        n.meta.get("val"), torch.Tensor) else None for n in saved)
     # the joint module is ours and dies here: cut it down to the forward module in place (no copy)
-    output.args = ((*outs, *saved),)
+    output.args = ((*outs, *[n for n, i in zip(saved, inputs) if i is None]),)
     for node in reversed(nodes[:-1]):
         if node not in live_fwd and not (node.op == "placeholder" and node in forward):
             joint.graph.erase_node(node)
             if node.op == "get_attr":
                 delattr(joint, node.target)
     joint.recompile()
-    return Partition(joint, bwd, saved)
+    return Partition(joint, bwd, saved, inputs if pass_inputs else (None,) * len(saved))

@@ -64,7 +64,9 @@ class TracedGraph:
     """One traced graph (the root or a region body), partitioned when it was traced jointly.
 
     ``forward`` maps inputs to ``(*tensor outputs, *saved)``; ``backward`` maps ``(*saved, *tangents)``
-    to one gradient per input whose ``grad_mask`` is set (None where no gradient flows).
+    to one gradient per input whose ``grad_mask`` is set (None where no gradient flows).  A region body's
+    forward does not return the saved values that are its inputs (``saved_inputs``): each call site
+    passes its own operand to the backward instead.
     """
 
     forward: fx.GraphModule
@@ -76,6 +78,7 @@ class TracedGraph:
     out_meta: list[TensorMeta]
     saved_meta: list[TensorMeta] = field(default_factory=list)
     saved_names: tuple[str, ...] = ()  # the saved values' node names: a partial backward's key to them
+    saved_inputs: tuple[int | None, ...] = ()  # per saved value: the input it is, when not returned
     tangent_mask: tuple[bool, ...] = ()
     grad_mask: tuple[bool, ...] = ()
     grad_meta: list[TensorMeta | None] = field(default_factory=list)  # per backward output
@@ -87,6 +90,11 @@ class TracedGraph:
     @property
     def n_outs(self) -> int:
         return len(self.out_meta)
+
+    @property
+    def returned_saved(self) -> list[int]:
+        """Positions (among the saved values) of those the forward returns, in its output order."""
+        return [k for k, j in enumerate(self.saved_inputs or (None,) * len(self.saved_meta)) if j is None]
 
     @property
     def saved(self) -> tuple[tuple[str, TensorMeta], ...]:

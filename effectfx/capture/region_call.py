@@ -59,9 +59,12 @@ class RegionBody:
     _saved_values: list[torch.Tensor] | None = None
 
     def saved_values(self, tracer: Tracer) -> list[torch.Tensor]:
-        """Fakes with the metadata of the saved values, shared by every call site's saved nodes."""
+        """Fakes with the metadata of the saved values the forward returns, shared by every call site's
+        saved nodes."""
         if self._saved_values is None:
-            self._saved_values = [tracer.new_fake(m.without_grad()) for m in self.traced.saved_meta]
+            metas = self.traced.saved_meta
+            self._saved_values = [tracer.new_fake(metas[k], requires_grad=False)
+                                  for k in self.traced.returned_saved]
         return self._saved_values
 
     @property
@@ -177,10 +180,16 @@ class RegionCall(torch.autograd.Function):
     def forward(ctx: Any, tracer: Tracer, body: RegionBody, call: CallSite,  # type: ignore[override]
                 *operands: Any) -> tuple:
         traced = body.traced
+        returned = traced.returned_saved
         results = emit_invoke(tracer, traced.forward, body.identifier, body.attr, list(operands),
-                              [*traced.out_meta, *traced.saved_meta], body.saved_values(tracer))
+                              [*traced.out_meta, *[traced.saved_meta[k] for k in returned]],
+                              body.saved_values(tracer))
         outs = results[: traced.n_outs]
-        ctx.tracer, ctx.body, ctx.saved = tracer, body, results[traced.n_outs:]
+        # the backward reads the saved values the body returned, and the operands it saved as they are
+        saved = iter(results[traced.n_outs:])
+        ctx.saved = [next(saved) if j is None else tracer.builder.node_of(tracer.to_fake(raw(operands[j])))
+                     for j in traced.saved_inputs or (None,) * len(traced.saved_meta)]
+        ctx.tracer, ctx.body = tracer, body
         ctx.call = call
         ctx.mark_non_differentiable(*[o for o, m in zip(outs, traced.tangent_mask) if not m])
         ctx.set_materialize_grads(False)  # an output nothing used gets no gradient: Note [Partial backward]

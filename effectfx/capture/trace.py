@@ -263,11 +263,11 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         len(scope.values) - n_inputs
     )
     input_meta = [_meta(v) for v in scope.values]
-    part = partition_joint(joint, len(out_nodes))
+    part = partition_joint(joint, len(out_nodes), pass_inputs=scope.region is not None)
     return TracedGraph(
         part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,
         saved_meta=[TensorMeta.of(n.meta["val"]) for n in part.saved],
-        saved_names=tuple(n.name for n in part.saved),
+        saved_names=tuple(n.name for n in part.saved), saved_inputs=part.inputs,
         tangent_mask=tangent_mask, grad_mask=grad_mask,
         grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],
         mutated=tuple(scope.nodes.index(n) for n, _ in written), covered_by=covered_by,

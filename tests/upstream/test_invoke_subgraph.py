@@ -234,13 +234,14 @@ class TestInvokeSubgraphCompile:
     def test_gen_schema(self):
         # upstream checks the invoke_subgraph schemas: forward (x, y) -> (out, 2 saved), backward
         # (3 saved/tangent) -> (dx, dy).  In effectfx: the forward body takes exactly the two operands and
-        # returns the output plus what backward saves; the backward body takes those and returns two grads.
+        # returns the output plus the saved values it computed; the backward body takes the saved values --
+        # those, then the operands it saved, which each call site passes itself -- and returns two grads.
         mod = ScaledSin()
         prog = efx.capture(lambda x, y: mod(x, y) + mod(x, y), *_xy()())
         fwd, bwd = one_body(prog.forward), one_body(prog.backward)
         assert n_inputs(fwd) == 2
         assert n_outputs(bwd) == 2
-        assert n_inputs(bwd) == (n_outputs(fwd) - 1) + 1  # the saved values and one tangent
+        assert n_inputs(bwd) == (n_outputs(fwd) - 1) + 2 + 1  # saved: returned, the two operands; a tangent
         assert region_calls(prog.backward.graph_module) == ["subgraph_0"] * 2
 
     def test_gen_schema_with_buffer_mutation(self):
