@@ -83,6 +83,11 @@ site a ``RegionCall`` autograd function emits the forward call, and its ``backwa
 call when the enclosing trace runs its backward phase.  Forward effects therefore land in forward graphs
 only, and effects raised by autograd formulas land in backward graphs, in the engine's order.
 
+A call site is cheap by construction, because a capture has one per layer: a body's forward does not
+return the saved values that are its own inputs (the call site hands its operand to the backward call), a
+saved value is only a ``getitem`` node at the call site (every site shares one fake per saved slot as its
+metadata), and passes share, rather than copy, a graph they leave unchanged (``passes.simplify``).
+
 Note [Partial backward]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Eager's engine runs only the autograd formulas reachable from the outputs that got a gradient: the
