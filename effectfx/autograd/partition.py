@@ -41,7 +41,7 @@ def _live(roots: list[fx.Node], inside: set[fx.Node]) -> set[fx.Node]:
         if node in live:
             continue
         live.add(node)
-        stack.extend(n for n in node.all_input_nodes if n in inside)
+        stack.extend(n for n in node._input_nodes if n in inside)  # the dict all_input_nodes copies
     return live
 
 
@@ -59,7 +59,7 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
     forward = {n for n in nodes[:-1] if n not in backward}
 
     live_bwd = _live([g for g in grads if g is not None] + [n for n in backward if is_effectful(n)], backward)
-    saved_set = {i for n in live_bwd for i in n.all_input_nodes if i in forward}
+    saved_set = {i for n in live_bwd for i in n._input_nodes if i in forward}
     saved = [n for n in nodes if n in saved_set]
     live_fwd = _live(outs + saved + [n for n in forward if is_effectful(n)], forward)
 

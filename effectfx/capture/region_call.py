@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .. import ops
@@ -135,6 +136,17 @@ def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return functools.reduce(getattr, name.split("."), module)
 
 
+def operand_node(tracer: Tracer, value: Any) -> Any:
+    """The node of a call site's operand in the current graph; a real tensor (a module's parameter) is
+    lifted as it is, without a fake (``Scope.lift_real``)."""
+    builder = tracer.builder
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        lift_real = getattr(builder, "lift_real", None)
+        if lift_real is not None and id(value) not in tracer.fake_of:
+            return builder.values.get(id(value)) or lift_real(value)
+    return builder.node_of(tracer.to_fake(value))
+
+
 def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr: str,
                 operands: list[Any], metas: list[TensorMeta | None], hidden: Sequence[torch.Tensor] = ()
                 ) -> list[Any]:
@@ -146,7 +158,7 @@ def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr:
     builder = tracer.builder
     labels = getattr(builder, "labels", None)
     nodes = [v if type(v) is fx.Node else labels.node_for(v) if labels is not None and isinstance(v, str)
-             else builder.node_of(tracer.to_fake(raw(v))) for v in operands]
+             else operand_node(tracer, raw(v)) for v in operands]
     call = builder.call(ops.invoke_subgraph, (builder.get_attr(subgraph, attr), identifier, *nodes))
     results: list[Any] = []
     for i, meta in enumerate(metas):
@@ -187,7 +199,7 @@ class RegionCall(torch.autograd.Function):
         outs = results[: traced.n_outs]
         # the backward reads the saved values the body returned, and the operands it saved as they are
         saved = iter(results[traced.n_outs:])
-        ctx.saved = [next(saved) if j is None else tracer.builder.node_of(tracer.to_fake(raw(operands[j])))
+        ctx.saved = [next(saved) if j is None else operand_node(tracer, raw(operands[j]))
                      for j in traced.saved_inputs or (None,) * len(traced.saved_meta)]
         ctx.tracer, ctx.body = tracer, body
         ctx.call = call

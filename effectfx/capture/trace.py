@@ -56,7 +56,9 @@ class Scope:
         self.values: list[Any] = []  # autograd-level value of each input (a str for a label)
         self.nodes: list[fx.Node] = []  # the placeholder of each input
         self.visible: dict[int, torch.Tensor] = {}  # input -> the tensor user code holds, when not its value
+        self.real_nodes: dict[int, fx.Node] = {}  # id(real tensor read by identity) -> its input
         self.builder = GraphBuilder(name, self.lift)
+        self.builder.lift_real = self.lift_real  # type: ignore[attr-defined]
         # a body's labels (effectfx.capture.labels); the root bakes every string in
         self.labels = BodyLabels(self.add_label) if region is not None else None
         if self.labels is not None:
@@ -87,8 +89,8 @@ class Scope:
             if not isinstance(value, torch.Tensor):
                 continue
             tensor = self.visible.get(i)
-            if tensor is None:
-                tensor = self.tracer.to_fake(value)
+            if tensor is None:  # a real tensor no op saw has no fake: nothing wrote it
+                tensor = self.tracer.fake_of.get(id(value), value)
             # rebound to a computed value (one tensor may be two inputs: compare kinds, not nodes)
             if self.builder.values.get(id(tensor), node).op != "placeholder":
                 found.append((node, tensor))
@@ -125,6 +127,15 @@ class Scope:
                 f"arguments (at {user_location()}).\nA reused body would silently see a stale value. Pass "
                 "the tensor to the region as an argument."
             )
+        return self.lift_real(real, fake)
+
+    def lift_real(self, real: torch.Tensor, fake: torch.Tensor | None = None) -> fx.Node:
+        """The input of a real tensor read by identity (a parameter), made on first use.  A region call
+        site passes its module's parameters as they are: no fake is made for them, and the placeholder's
+        metadata is the tensor itself (Note [Joint trace])."""
+        node = self.real_nodes.get(id(real))
+        if node is not None:
+            return node
         where = self.module_params.get(id(real))
         if where is not None:
             source = OperandSource("module", where[0], where[1])
@@ -132,7 +143,8 @@ class Scope:
         else:
             source = OperandSource("lifted", tensor=real)
             name = self.param_names.get(id(real), "lifted")
-        node = self.builder.placeholder(placeholder_name(name), fake)
+        node = self.builder.placeholder(placeholder_name(name), fake if fake is not None else real)
+        self.real_nodes[id(real)] = node
         self.sources.append(source)
         self.values.append(real)
         self.nodes.append(node)

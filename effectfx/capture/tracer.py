@@ -145,8 +145,9 @@ class Tracer(TorchDispatchMode):
     def new_fake(self, meta: TensorMeta, requires_grad: bool | None = None) -> torch.Tensor:
         """A fresh fake tensor with the given TensorMeta (``requires_grad`` overriding its flag), created
         without recording anything."""
-        # straight from a meta tensor: ~10x cheaper than a factory call through the fake mode
-        with torch._C._DisableTorchDispatch():
+        # straight from a meta tensor: ~10x cheaper than a factory call through the fake mode (and no
+        # torch-function mode needs to see it)
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             storage = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
         make = self._fake_makers.get(meta.device)
         if make is None:
