@@ -82,7 +82,8 @@ class _Writer:
                 raise _Unsupported
             return "{" + ", ".join(f"{k!r}: {self.arg(v)}" for k, v in value.items()) + "}"
         if kind is slice:
-            return f"slice({self.arg(value.start)}, {self.arg(value.stop)}, {self.arg(value.step)})"
+            make = self.globals.name(slice, "slice")
+            return f"{make}({self.arg(value.start)}, {self.arg(value.stop)}, {self.arg(value.step)})"
         if isinstance(value, (tuple, list, dict)):  # a subclass FX may hold nodes in: let FX decide
             raise _Unsupported
         return self.globals.name(value, _hint(value))  # functions, ops, dtypes, devices, inf, objects
@@ -126,6 +127,8 @@ def runtime_code(graph: fx.Graph, direct: bool) -> PythonCode | None:
 def _generate(graph: fx.Graph, direct: bool) -> PythonCode:
     w = _Writer(graph, direct)
     nodes = list(graph.nodes)
+    if any(n.name == "self" or (n.op == "placeholder" and n.target == "self") for n in nodes):
+        raise _Unsupported  # the module's own parameter name: FX's generator renames
     index = {node: i for i, node in enumerate(nodes)}
     # a call whose users all take items of it is one line binding those items; the tuple is never bound
     folded: dict[fx.Node, fx.Node] = {}

@@ -110,3 +110,21 @@ def test_random_graphs_compute_what_fx_computes(case: tuple[fx.Graph, int], dire
     expected = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
     got = namespace["forward"](None, *inputs)
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_slices_constants_and_a_parameter_named_self() -> None:
+    g = Graph()
+    x = g.placeholder("x")
+    part = g.call_function(operator.getitem, (x, slice(1, None, None)))
+    scaled = g.call_function(aten.mul.Tensor, (part, float("-inf")))
+    g.output((scaled, torch.float32))
+    gm = graph_module(torch.nn.Module(), g, "Sliced")
+    x = torch.tensor([1.0, 2.0, 3.0])
+    out, dtype = gm(x)
+    assert torch.equal(out, x[1:] * float("-inf")) and dtype is torch.float32
+    assert "_float" in gm.code and " slice(" not in gm.code and "[slice(" not in gm.code  # bound as globals
+
+    g = Graph()
+    me = g.placeholder("self")  # the generated method's own first parameter: left to FX's generator
+    g.output(g.call_function(aten.neg.default, (me,)))
+    assert runtime_code(g, direct=False) is None
