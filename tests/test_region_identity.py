@@ -416,3 +416,18 @@ def test_renamed_layer_under_compile_logs_its_new_name() -> None:
         with recording() as got:
             compiled(x)
         assert got == want
+
+
+def test_the_flat_call_spec_is_pytree_s() -> None:
+    """A call site flattens its arguments without pytree when they are all leaves: same leaves, same spec."""
+    from torch.utils._pytree import tree_flatten
+
+    from effectfx.capture.region_call import flatten_call
+
+    module, x = torch.nn.Linear(2, 2), torch.randn(2)
+    for args, kwargs in [((module, x), {}), ((x,), {}), ((x, 3, "name", None, 1.5), {}), ((), {}),
+                         ((x, [x, x]), {}), ((x,), {"y": x}), (((x, x),), {})]:
+        leaves, spec = flatten_call(args, kwargs)
+        expected_leaves, expected_spec = tree_flatten((args, kwargs))
+        assert spec == expected_spec and len(leaves) == len(expected_leaves)
+        assert all(a is b for a, b in zip(leaves, expected_leaves))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_leaf, tree_unflatten
 
 from .. import ops
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError
@@ -78,21 +78,31 @@ class RegionBody:
         return (self.key, self.guards)
 
 
-def module_tensors(module: torch.nn.Module, with_modules: bool = False) -> Iterator[tuple[str, Any]]:
+def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
-    stored as ``self.mask = ...``), which differ between instances just as parameters do.  With
-    ``with_modules``, ``(prefix, submodule, None)`` precedes each submodule's ``(name, None, tensor)``: the
-    key of a call site walks the module once (``identity.module_structure``)."""
+    stored as ``self.mask = ...``), which differ between instances just as parameters do (the key of a
+    call site walks them the same way: ``identity.module_structure``)."""
     seen: set[int] = set()
-    for prefix, sub in module.named_modules():  # one walk: every call site keys its module by this
-        if with_modules:
-            yield prefix, sub, None
+    for prefix, sub in module.named_modules():
         for table in (sub._parameters, sub._buffers, vars(sub)):
             for k, v in table.items():
                 if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
                     seen.add(id(v))
-                    name = f"{prefix}.{k}" if prefix else k
-                    yield (name, None, v) if with_modules else (name, v)
+                    yield (f"{prefix}.{k}" if prefix else k), v
+
+
+_FLAT_SPECS: dict[int, Any] = {}
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``, without pytree's walk for the usual call site: positional
+    arguments that are all leaves (a module, tensors)."""
+    if kwargs or not all(tree_is_leaf(a) for a in args):
+        return tree_flatten((args, kwargs))
+    spec = _FLAT_SPECS.get(len(args))
+    if spec is None:  # the spec of n leaves: pytree's own, made once
+        spec = _FLAT_SPECS[len(args)] = tree_flatten((tuple(range(len(args))), {}))[1]
+    return list(args), spec
 
 
 def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}") -> list[str]:
@@ -240,7 +250,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             "A region's body must be finite to trace once; unroll the recursion or remove @region "
             "from the recursive function."
         )
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = flatten_call(args, kwargs)
     key = call_key(leaves, spec)
     # Note [Region identity]: the first body with this key whose guards hold on these arguments
     body = next((b for b in tracer.candidates.get((region.fn, key), ())
@@ -271,7 +281,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     for k, j in traced.passthrough().items():
         outs[k] = operands[j]
     out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
-    return tree_unflatten(out_leaves, traced.out_spec)
+    return out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
 
 
 def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operands: list[Any],
