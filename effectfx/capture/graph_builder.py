@@ -90,11 +90,12 @@ class GraphBuilder:
             name = f"{base}_{n}"
         self._input_names.add(name)
         # placeholders must precede every other node, even when lifted in the middle of a trace
+        # (named explicitly: FX would derive the name from the target through a regex)
         if self._placeholders_end is None:
-            node = self.graph.placeholder(name)
+            node = self.graph.create_node("placeholder", name, name=name)
         else:
             with self.graph.inserting_after(self._placeholders_end):
-                node = self.graph.placeholder(name)
+                node = self.graph.create_node("placeholder", name, name=name)
         self._placeholders_end = node
         node.meta["phase"] = self.phase
         if isinstance(value, torch.Tensor):

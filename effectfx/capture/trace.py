@@ -36,6 +36,9 @@ _CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, ty
 
 def placeholder_name(name: str) -> str:
     """A valid Python identifier for a graph input ("0.weight" of an nn.Sequential -> "p_0_weight")."""
+    dotted = name.replace(".", "_")  # the usual parameter path: no regex needed
+    if dotted.isidentifier() and dotted[0] != "_" and dotted[-1] != "_" and not keyword.iskeyword(dotted):
+        return dotted
     name = re.sub(r"\W", "_", name).strip("_") or "arg"
     if name[0].isdigit() or keyword.iskeyword(name):
         name = "p_" + name
