@@ -8,6 +8,7 @@ custom op that returns nothing and mutates nothing: it exists only for its side 
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,9 @@ def registered_effects() -> dict[str, str]:
 # -- effects of graph nodes ----------------------------------------------------------------------
 # The questions DCE, partitioning and the verifier ask about FX nodes, answered from the registry.
 
+_NONE: frozenset[str] = frozenset()
+
+
 def node_effect_keys(node: Any) -> frozenset[str]:
     """The effect keys a node performs: its op's key, or every key inside a region it calls."""
     from . import ops
@@ -199,6 +203,8 @@ def node_effect_keys(node: Any) -> frozenset[str]:
     if node.op != "call_function":
         return frozenset()
     target = node.target
+    if target is operator.getitem:  # most nodes of a graph of region calls: answered at once
+        return _NONE
     if target is ops.with_effects:
         inner = node.args[1]
         if inner is ops.invoke_subgraph:
