@@ -62,7 +62,9 @@ class _Writer:
     def __init__(self, graph: fx.Graph, direct: bool) -> None:
         self.graph = graph
         self.direct = direct
-        self.globals = _Globals({n.name for n in graph.nodes})
+        # names the code binds: nodes, and the inputs' parameter names
+        self.globals = _Globals({n.name for n in graph.nodes} | {str(n.target) for n in graph.nodes
+                                                                  if n.op == "placeholder"})
 
     def arg(self, value: Any) -> str:
         kind = type(value)
