@@ -86,7 +86,8 @@ only, and effects raised by autograd formulas land in backward graphs, in the en
 A call site is cheap by construction, because a capture has one per layer: a body's forward does not
 return the saved values that are its own inputs (the call site hands its operand to the backward call), a
 saved value is only a ``getitem`` node at the call site (every site shares one fake per saved slot as its
-metadata), and passes share, rather than copy, a graph they leave unchanged (``passes.simplify``).
+metadata), the module's parameters it passes are lifted as they are, without fakes (``Scope.lift_real``),
+and passes share, rather than copy, a graph they leave unchanged (``passes.simplify``).
 
 Note [Partial backward]
 ~~~~~~~~~~~~~~~~~~~~~~~
