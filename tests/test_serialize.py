@@ -60,6 +60,10 @@ def test_round_trip_seed(tmp_path) -> None:
         out = loaded(x)
     torch.testing.assert_close(out, expected)
     assert log == eager_log
+    # it runs effectfx's code, calling operators directly, and prints as the saved program did
+    (body,) = loaded.subgraphs().values()
+    assert "_op_" in body.code and "torch.ops." not in body.code
+    assert "torch.ops." in loaded.code()
 
 
 def test_round_trip_training_with_parameters_by_value(tmp_path) -> None:

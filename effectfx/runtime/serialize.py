@@ -55,7 +55,7 @@ from torch.utils._pytree import treespec_dumps, treespec_loads
 from .. import ops
 from ..capture.meta import TensorMeta
 from ..errors import EffectfxError
-from ..graphs import graph_module
+from ..graphs import Graph, graph_module
 from .program import InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
 
 FORMAT = "effectfx-program"
@@ -300,7 +300,7 @@ class _Loader:
         for attr, ref in spec["attrs"].items():
             value = self.graph(ref["graph"]) if "graph" in ref else self.tensors[ref["tensor"]]
             setattr(holder, attr, value)
-        graph = fx.Graph()
+        graph = Graph()
         env: dict[str, fx.Node] = {}
         for n in spec["nodes"]:
             target = _load_target(n["target"]) if n["op"] == "call_function" else n["target"]
@@ -315,6 +315,7 @@ class _Loader:
                 node.meta["val"] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
             env[n["name"]] = node
         gm = graph_module(holder, graph, spec["class"])
+        gm.runtime_calls = "direct"  # a loaded program is token-free and runs as efx.compile's graphs do
         gm.meta["effectfx_token_keys"] = ()
         self.built[gid] = gm
         return gm
