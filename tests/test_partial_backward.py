@@ -177,3 +177,47 @@ def test_backward_of_a_loss_from_its_logits_needs_no_new_trace() -> None:
             run(x, w)[0].backward()
         assert log == eager_log and torch.equal(w.grad, eager)
     assert not prog.partial and not compiled.programs()[0].partial
+
+
+_MODE = {"sin": True}
+
+
+def _flagged(x):
+    return (x.sin() if _MODE["sin"] else x.cos()), x * 2
+
+
+def test_a_retrace_that_runs_another_forward_is_refused() -> None:
+    """The backward of some outputs only is traced anew; when the state the code reads changed since the
+    forward ran, the new trace's forward differs, and its backward would not be this forward's: an error,
+    whether the program's graphs were simplified in place (efx.compile) or not."""
+    x = torch.randn(3, requires_grad=True)
+    for run in (efx.compile(_flagged), efx.capture(_flagged, x)):
+        _MODE["sin"] = True
+        try:
+            _, doubled = run(x)
+            _MODE["sin"] = False
+            with pytest.raises(efx.CaptureError, match="ran a different forward"):
+                doubled.sum().backward()
+        finally:
+            _MODE["sin"] = True
+    _, doubled = efx.compile(_flagged)(x)  # unchanged state: the same forward, and eager's gradient
+    doubled.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_in_place_simplification_is_the_copying_one() -> None:
+    """efx.compile simplifies its own capture in place; the result prints as the copying pass's does."""
+    from effectfx.functionalize import discover_effects
+    from effectfx.passes.pipeline import run_passes
+    from effectfx.passes.simplify import simplify_for_runtime, simplify_in_place
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    copied = run_passes(efx.capture(model, x, functionalize=False), [discover_effects, simplify_for_runtime])
+    captured = run_passes(efx.capture(model, x, functionalize=False), [discover_effects])
+    before = captured.forward.graph_module
+    in_place = run_passes(captured, [simplify_in_place])
+    assert in_place.forward.graph_module is before  # the same module, changed
+    assert in_place.forward.code() == copied.forward.code() and in_place.backward.code() == copied.backward.code()
+    assert "aten.detach" not in in_place.backward.code()
+    assert in_place.forward.history[-1].name == "simplify_in_place"

@@ -102,3 +102,39 @@ class Simplify(GraphRewrite):
 def simplify_for_runtime(prog: Program) -> Program:
     """Token-free -> token-free without autograd-only calls (see the module docstring)."""
     return Simplify(prog.form).program(prog)
+
+
+def _simplify_graph(gm: fx.GraphModule, seen: set[int]) -> None:
+    """The rules of ``RULES``, applied to ``gm`` and every subgraph it holds, in place."""
+    if id(gm) in seen:
+        return
+    seen.add(id(gm))
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            sub = get_attr(gm, node.target)
+            if isinstance(sub, fx.GraphModule):
+                _simplify_graph(sub, seen)
+        elif node.op == "call_function" and node.target is aten.detach.default:
+            if not _observed(node):  # the rule of _drop_detach
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+        elif node.op == "call_function" and node.target is aten.t.default:
+            inner = node.args[0]  # already simplified: nodes are visited in order, as a rebuild does
+            if isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.t.default:
+                node.replace_all_uses_with(inner.args[0])
+                graph.erase_node(node)
+    eliminate_dead_code(graph)
+    graph.set_codegen(DirectOpCodeGen())
+    gm.recompile()
+
+
+def simplify_in_place(prog: Program) -> Program:
+    """``simplify_for_runtime`` for a program nobody else holds -- efx.compile's own capture, which it runs
+    once and drops: the same rules, applied to its graphs in place instead of to copies (a capture's root
+    graph has a few nodes per region call site, and copying them is most of what the pass costs).
+    Contract: requires the token-free form; gives the program it was given, its graphs simplified."""
+    if prog.form != "token-free":
+        return simplify_for_runtime(prog)  # refuses the form, as the copying pass does
+    _simplify_graph(prog.graph_module, set())
+    return prog.replace(form="token-free", token_keys=())

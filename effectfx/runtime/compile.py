@@ -28,7 +28,7 @@ from ..capture.reads import plain_value
 from ..functionalize import discover_effects, thread_tokens
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
-from ..passes.simplify import simplify_for_runtime
+from ..passes.simplify import simplify_in_place
 from .program import Program, TrainingProgram, alias_pattern
 
 
@@ -41,9 +41,10 @@ def lower_to_inductor(prog: Program) -> Program:
 
 # The passes between capture and execution, per backend.  Kept in one table so a backend is one entry.
 # "eager" goes captured -> token-free directly: discover_effects checks region effects as thread_tokens
-# does, without the round trip through tokens that would rebuild every graph into the same one.
+# does, without the round trip through tokens that would rebuild every graph into the same one; and the
+# capture is efx.compile's alone, so it is simplified in place.
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
-    "eager": [discover_effects, simplify_for_runtime],
+    "eager": [discover_effects, simplify_in_place],
     "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
 }
 

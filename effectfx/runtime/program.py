@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .. import ops
-from ..capture.meta import TensorMeta, saved_positions
+from ..capture.meta import TensorMeta, same_forward, saved_positions
 from ..errors import PartialBackwardError, SignatureMismatchError, UnsupportedMutationError
 from .printing import program_text, subgraphs
 
@@ -298,8 +298,10 @@ class TrainingProgram:
                     "function itself."
                 )
             part = self.retrace(live)
-            found = (part.backward, saved_positions(self.saved, part.saved,
-                                                            self.forward.name.removesuffix(" (forward)")))
+            name = self.forward.name.removesuffix(" (forward)")
+            # both forwards went through the same passes: the new trace must have run the same forward
+            same_forward(self.forward.graph_module, part.forward.graph_module, name)
+            found = (part.backward, saved_positions(self.saved, part.saved, name))
             self.partial[live] = found
         return found
 
