@@ -2,7 +2,8 @@
 
 A :class:`Program` is one root graph (with its region subgraphs) plus how user arguments map to graph
 inputs and graph outputs to user results.  A :class:`TrainingProgram` pairs a forward and a backward
-Program and attaches their results to autograd.  Programs are immutable: passes return new ones.
+Program and attaches their results to autograd.  Programs are immutable: passes return new ones
+(``passes.simplify.simplify_in_place`` excepted: efx.compile runs it on the capture only it holds).
 """
 
 from __future__ import annotations
