@@ -248,7 +248,7 @@ def table(data: dict[str, Any]) -> str:
              "efx correct", "tc correct"], rows))
         lo, hi = s["growth_from_to"]
         out.append(f"effectfx growth N={lo}->{hi}: {s['efx_growth']:.2f}x (cpu {s['efx_growth_cpu']:.2f}x, "
-                   f"fastest repetitions {s.get('efx_growth_fastest', float('nan')):.2f}x; target <= 2.5x: "
+                   f"fastest repetitions {s['efx_growth_fastest']:.2f}x; target <= 2.5x: "
                    f"{'met' if s['meets_growth_target'] else 'NOT met'});  tc/efx at N={hi}: "
                    f"{s['by_n'][str(hi)]['tc_over_efx']:.1f}x (target >= 20x: "
                    f"{'met' if s['meets_speedup_target'] else 'NOT met'}"

@@ -64,8 +64,8 @@ class Graph(fx.Graph):
 
 class GraphModule(_LazyGraphModule):
     """A lazily compiled GraphModule whose code comes from ``effectfx.codegen``.  ``runtime_calls``
-    ("direct" or "overload"), when set, says how its code calls operators whatever the graph's codegen:
-    a module may run a graph another module holds too (``passes.simplify`` shares unchanged graphs)."""
+    ("direct" or "overload"), when set, says how its code calls operators whatever the graph's codegen
+    (a loaded program's graphs: ``runtime.serialize``)."""
 
     runtime_calls: str | None = None
 

@@ -87,7 +87,7 @@ A call site is cheap by construction, because a capture has one per layer: a bod
 return the saved values that are its own inputs (the call site hands its operand to the backward call), a
 saved value is only a ``getitem`` node at the call site (every site shares one fake per saved slot as its
 metadata), the module's parameters it passes are lifted as they are, without fakes (``Scope.lift_real``),
-and passes share, rather than copy, a graph they leave unchanged (``passes.simplify``).
+and efx.compile simplifies its own capture in place rather than copying it (``passes.simplify``).
 
 Note [Partial backward]
 ~~~~~~~~~~~~~~~~~~~~~~~

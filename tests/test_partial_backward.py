@@ -179,11 +179,11 @@ def test_backward_of_a_loss_from_its_logits_needs_no_new_trace() -> None:
     assert not prog.partial and not compiled.programs()[0].partial
 
 
-_MODE = {"sin": True}
+_MODE = {"scale": 2.0}
 
 
 def _flagged(x):
-    return (x.sin() if _MODE["sin"] else x.cos()), x * 2
+    return x.sin() * _MODE["scale"], x * 2  # a constant the forward reads: the retrace sees it too
 
 
 def test_a_retrace_that_runs_another_forward_is_refused() -> None:
@@ -192,14 +192,14 @@ def test_a_retrace_that_runs_another_forward_is_refused() -> None:
     whether the program's graphs were simplified in place (efx.compile) or not."""
     x = torch.randn(3, requires_grad=True)
     for run in (efx.compile(_flagged), efx.capture(_flagged, x)):
-        _MODE["sin"] = True
+        _MODE["scale"] = 2.0
         try:
             _, doubled = run(x)
-            _MODE["sin"] = False
+            _MODE["scale"] = 3.0  # the same nodes and saved values; another constant
             with pytest.raises(efx.CaptureError, match="ran a different forward"):
                 doubled.sum().backward()
         finally:
-            _MODE["sin"] = True
+            _MODE["scale"] = 2.0
     _, doubled = efx.compile(_flagged)(x)  # unchanged state: the same forward, and eager's gradient
     doubled.sum().backward()
     assert torch.equal(x.grad, torch.full((3,), 2.0))
@@ -215,6 +215,7 @@ def test_in_place_simplification_is_the_copying_one() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     copied = run_passes(efx.capture(model, x, functionalize=False), [discover_effects, simplify_for_runtime])
     captured = run_passes(efx.capture(model, x, functionalize=False), [discover_effects])
+    assert "aten.detach" in captured.backward.code()  # something to simplify
     before = captured.forward.graph_module
     in_place = run_passes(captured, [simplify_in_place])
     assert in_place.forward.graph_module is before  # the same module, changed

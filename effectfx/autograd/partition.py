@@ -24,7 +24,7 @@ class Partition:
     forward: fx.GraphModule
     backward: fx.GraphModule
     saved: list[fx.Node]  # forward-phase nodes of the joint graph, in forward order
-    inputs: tuple[int | None, ...] = ()  # per saved value: its input index when not returned (pass_inputs)
+    inputs: tuple[int | None, ...] = ()  # per saved value: its input index when not returned, else None
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -75,9 +75,10 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
     bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
     bwd = graph_module(joint, bwd_graph, "Backward")
 
-    placeholders = [n for n in nodes if n.op == "placeholder" and n in forward]
-    inputs = tuple(placeholders.index(n) if pass_inputs and n.op == "placeholder" and isinstance(
-        n.meta.get("val"), torch.Tensor) else None for n in saved)
+    # a body's saved tensor inputs are the call site's to pass (Partition.inputs)
+    position = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder" and n in forward)
+                if pass_inputs and isinstance(n.meta.get("val"), torch.Tensor)}
+    inputs = tuple(position.get(n) for n in saved)
     # the joint module is ours and dies here: cut it down to the forward module in place (no copy)
     output.args = ((*outs, *[n for n, i in zip(saved, inputs) if i is None]),)
     for node in reversed(nodes[:-1]):
@@ -86,4 +87,4 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
             if node.op == "get_attr":
                 delattr(joint, node.target)
     joint.recompile()
-    return Partition(joint, bwd, saved, inputs if pass_inputs else (None,) * len(saved))
+    return Partition(joint, bwd, saved, inputs)

@@ -50,17 +50,11 @@ class ambient_context:  # noqa: N801  (used like torch.no_grad)
 
 
 def module_structure(module: torch.nn.Module) -> tuple:
-    """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards.  The
-    tensors are ``region_call.module_tensors``'s, found in the same single walk."""
-    classes, tensors, seen = [], [], set()
-    for prefix, sub in module.named_modules():
-        classes.append((prefix, class_of(sub)))
-        for table in (sub._parameters, sub._buffers, sub.__dict__):
-            for k, v in table.items():
-                if isinstance(v, torch.Tensor) and k[0] != "_" and id(v) not in seen:
-                    seen.add(id(v))
-                    tensors.append((f"{prefix}.{k}" if prefix else k, TensorMeta.of(v)))
-    return (tuple(classes), tuple(tensors))
+    """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards."""
+    from .region_call import module_tensors
+
+    classes = tuple((prefix, class_of(sub)) for prefix, sub in module.named_modules())
+    return (classes, tuple((name, TensorMeta.of(t)) for name, t in module_tensors(module)))
 
 
 def leaf_key(value: Any, labels: bool = True) -> Any:

@@ -78,7 +78,7 @@ class TracedGraph:
     out_meta: list[TensorMeta]
     saved_meta: list[TensorMeta] = field(default_factory=list)
     saved_names: tuple[str, ...] = ()  # the saved values' node names: a partial backward's key to them
-    saved_inputs: tuple[int | None, ...] = ()  # per saved value: the input it is, when not returned
+    saved_inputs: tuple[int | None, ...] = ()  # per saved value: the input it is, when not returned (None)
     tangent_mask: tuple[bool, ...] = ()
     grad_mask: tuple[bool, ...] = ()
     grad_meta: list[TensorMeta | None] = field(default_factory=list)  # per backward output
@@ -94,7 +94,7 @@ class TracedGraph:
     @property
     def returned_saved(self) -> list[int]:
         """Positions (among the saved values) of those the forward returns, in its output order."""
-        return [k for k, j in enumerate(self.saved_inputs or (None,) * len(self.saved_meta)) if j is None]
+        return [k for k, j in enumerate(self.saved_inputs) if j is None]
 
     @property
     def saved(self) -> tuple[tuple[str, TensorMeta], ...]:

@@ -80,10 +80,9 @@ class RegionBody:
 
 def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
-    stored as ``self.mask = ...``), which differ between instances just as parameters do (the key of a
-    call site walks them the same way: ``identity.module_structure``)."""
+    stored as ``self.mask = ...``), which differ between instances just as parameters do."""
     seen: set[int] = set()
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules():  # one walk: every call site keys its module by this
         for table in (sub._parameters, sub._buffers, vars(sub)):
             for k, v in table.items():
                 if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
@@ -210,7 +209,7 @@ class RegionCall(torch.autograd.Function):
         # the backward reads the saved values the body returned, and the operands it saved as they are
         saved = iter(results[traced.n_outs:])
         ctx.saved = [next(saved) if j is None else operand_node(tracer, raw(operands[j]))
-                     for j in traced.saved_inputs or (None,) * len(traced.saved_meta)]
+                     for j in traced.saved_inputs]
         ctx.tracer, ctx.body = tracer, body
         ctx.call = call
         ctx.mark_non_differentiable(*[o for o, m in zip(outs, traced.tangent_mask) if not m])

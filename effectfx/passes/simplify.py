@@ -2,8 +2,8 @@
 
 Contract: requires the token-free form (graphs run with grad disabled; Note [Effect tokens]); gives a new
 Program computing the same values with the same effects in the same order, with the calls that only autograd
-needed removed, and generated code that calls operators directly (``passes.direct_calls``).  Rules, keyed
-by op (``RULES``):
+needed removed, and generated code that calls operators directly (``passes.direct_calls``).  Rules
+(``_simplify``):
 
 ========================  =====================================================================
 ``aten.detach(x)``         ``x``: without autograd recording, detach is the identity on values (kept
@@ -11,21 +11,22 @@ by op (``RULES``):
                            an effect, a region or a custom op, which may show ``requires_grad``)
 ``aten.t(aten.t(x))``      ``x``: the double transposes a joint trace leaves in backward formulas
 ========================  =====================================================================
+
+``simplify_in_place`` applies the same rules to the graphs of a program nobody else holds -- efx.compile's
+own capture, which it runs once and drops -- instead of to copies: a capture's root graph has a few nodes
+per region call site, and copying them is most of what the pass costs.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..effects import node_effect_keys
-from ..graphs import graph_module
 from ..runtime.program import Program
 from .dce import eliminate_dead_code
 from .direct_calls import DirectOpCodeGen
-from .rewrite import GraphContext, GraphRewrite, get_attr, set_attr
+from .rewrite import GraphRewrite, get_attr
 
 aten = torch.ops.aten
 
@@ -51,90 +52,60 @@ def _observed(node: fx.Node) -> bool:
     return False
 
 
-def _drop_detach(ctx: GraphContext, node: fx.Node) -> Any:
-    # the value of a graph input may require grad (the compiled function's own inputs and parameters):
-    # returned without its detach it would hand the caller its own input back, and an effect, a region
-    # or a custom op would see requires_grad=True (print shows it) where eager passes a detached alias
-    if _observed(node):
-        return ctx.copy(node)
-    return ctx.value(node.args[0], node)
-
-
-def _fold_double_transpose(ctx: GraphContext, node: fx.Node) -> Any:
-    inner = ctx.value(node.args[0], node)
-    if isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.t.default:
-        return inner.args[0]
-    return ctx.copy(node)
-
-
-RULES = {aten.detach.default: _drop_detach, aten.t.default: _fold_double_transpose}
-
-
-class Simplify(GraphRewrite):
-    form_in = ("token-free",)
-    form_out = "token-free"
-
-    def __init__(self, form: str) -> None:
-        super().__init__(form)
-        self.rules = dict(RULES)
-
-    def rebuild(self, gm: fx.GraphModule, keys: tuple[str, ...]) -> fx.GraphModule:
-        if any(n.op == "call_function" and n.target in self.rules for n in gm.graph.nodes):
-            return super().rebuild(gm, keys)
-        # nothing to simplify (a root that only calls regions, say): a new module around the same graph,
-        # holding the new bodies under the same names -- no node is copied, and graphs are never changed
-        # once built, so sharing one is safe
-        holder = torch.nn.Module()
-        for node in gm.graph.find_nodes(op="get_attr"):
-            sub = get_attr(gm, node.target)
-            set_attr(holder, node.target, self.body(sub) if isinstance(sub, fx.GraphModule) else sub)
-        new = graph_module(holder, gm.graph, gm.__class__.__name__)
-        new.meta.update(gm.meta)
-        new.runtime_calls = "direct"
-        return new
-
-    def done(self, gm: fx.GraphModule) -> None:
-        eliminate_dead_code(gm.graph)  # the transposes a fold left without users
-        gm.graph.set_codegen(DirectOpCodeGen())  # same rebuild, so direct calls cost nothing extra
-        gm.recompile()
-
-
-def simplify_for_runtime(prog: Program) -> Program:
-    """Token-free -> token-free without autograd-only calls (see the module docstring)."""
-    return Simplify(prog.form).program(prog)
-
-
-def _simplify_graph(gm: fx.GraphModule, seen: set[int]) -> None:
-    """The rules of ``RULES``, applied to ``gm`` and every subgraph it holds, in place."""
-    if id(gm) in seen:
-        return
-    seen.add(id(gm))
+def _simplify(gm: fx.GraphModule) -> None:
+    """The rules of the table above, applied to ``gm``'s own graph in place (in order: a node's argument is
+    already simplified when the node is looked at)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op == "get_attr":
-            sub = get_attr(gm, node.target)
-            if isinstance(sub, fx.GraphModule):
-                _simplify_graph(sub, seen)
-        elif node.op == "call_function" and node.target is aten.detach.default:
-            if not _observed(node):  # the rule of _drop_detach
+        if node.op != "call_function":
+            continue
+        if node.target is aten.detach.default:
+            # the value of a graph input may require grad (the compiled function's own inputs and
+            # parameters): returned without its detach it would hand the caller its own input back, and an
+            # effect, a region or a custom op would see requires_grad=True where eager passes a detached alias
+            if not _observed(node):
                 node.replace_all_uses_with(node.args[0])
                 graph.erase_node(node)
-        elif node.op == "call_function" and node.target is aten.t.default:
-            inner = node.args[0]  # already simplified: nodes are visited in order, as a rebuild does
+        elif node.target is aten.t.default:
+            inner = node.args[0]
             if isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.t.default:
                 node.replace_all_uses_with(inner.args[0])
                 graph.erase_node(node)
-    eliminate_dead_code(graph)
+    eliminate_dead_code(graph)  # the transposes a fold left without users
     graph.set_codegen(DirectOpCodeGen())
     gm.recompile()
 
 
+class _Copied(GraphRewrite):
+    """Every graph copied (each body once), then simplified."""
+
+    form_in = ("token-free",)
+    form_out = "token-free"
+
+    def done(self, gm: fx.GraphModule) -> None:
+        _simplify(gm)
+
+
+def simplify_for_runtime(prog: Program) -> Program:
+    """Token-free -> token-free without autograd-only calls (see the module docstring)."""
+    return _Copied(prog.form).program(prog)
+
+
+def _simplify_all(gm: fx.GraphModule, seen: set[int]) -> None:
+    if id(gm) in seen:
+        return
+    seen.add(id(gm))
+    for node in gm.graph.find_nodes(op="get_attr"):
+        sub = get_attr(gm, node.target)
+        if isinstance(sub, fx.GraphModule):
+            _simplify_all(sub, seen)
+    _simplify(gm)
+
+
 def simplify_in_place(prog: Program) -> Program:
-    """``simplify_for_runtime`` for a program nobody else holds -- efx.compile's own capture, which it runs
-    once and drops: the same rules, applied to its graphs in place instead of to copies (a capture's root
-    graph has a few nodes per region call site, and copying them is most of what the pass costs).
-    Contract: requires the token-free form; gives the program it was given, its graphs simplified."""
+    """``simplify_for_runtime`` for a program nobody else holds (see the module docstring): the program it
+    was given, its graphs simplified in place.  Contract: requires the token-free form."""
     if prog.form != "token-free":
         return simplify_for_runtime(prog)  # refuses the form, as the copying pass does
-    _simplify_graph(prog.graph_module, set())
+    _simplify_all(prog.graph_module, set())
     return prog.replace(form="token-free", token_keys=())
