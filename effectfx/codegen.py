@@ -65,6 +65,15 @@ class _Writer:
         # names the code binds: nodes, and the inputs' parameter names
         self.globals = _Globals({n.name for n in graph.nodes} | {str(n.target) for n in graph.nodes
                                                                   if n.op == "placeholder"})
+        self._getters: dict[tuple[int, ...], str] = {}
+
+    def items(self, indices: list[int]) -> str:
+        """The global ``itemgetter`` of these indices: one per distinct tuple, shared by every line."""
+        key = tuple(indices)
+        name = self._getters.get(key)
+        if name is None:
+            name = self._getters[key] = self.globals.name(operator.itemgetter(*key), "items")
+        return name
 
     def arg(self, value: Any) -> str:
         kind = type(value)
@@ -179,7 +188,7 @@ def _generate(graph: fx.Graph, direct: bool) -> PythonCode:
                 elif len(items) == 1:
                     body.append(f"{items[0][1].name} = {expr}[{items[0][0]}]")
                 else:
-                    picked = w.globals.name(operator.itemgetter(*[k for k, _ in items]), "items")
+                    picked = w.items([k for k, _ in items])
                     body.append(f"{', '.join(user.name for _, user in items)} = {picked}({expr})")
             elif node.users:
                 body.append(f"{node.name} = {expr}")

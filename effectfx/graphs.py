@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.graph import PythonCode
+from torch.fx.graph import PythonCode, _illegal_names, _name_regex, _Namespace
 
 from .codegen import runtime_code
 
@@ -30,9 +30,45 @@ def _lasting(target: Any) -> bool:
         getattr(target, "__module__", "") == "effectfx.ops")
 
 
+class _Names(_Namespace):
+    """FX's namespace, with the parsing of a candidate name (two regexes) done once per candidate rather
+    than once per node; names come out exactly as FX's."""
+
+    _parsed: dict[str, tuple[str, str, str | None]] = {}
+
+    def create_name(self, candidate: str, obj: object | None) -> str:
+        parsed = self._parsed.get(candidate)
+        if parsed is None or obj is not None:
+            if obj is not None or len(self._parsed) > 4096:  # names of new values: kept bounded
+                return super().create_name(candidate, obj)
+            match = _name_regex.match(candidate)
+            if match is None:
+                return super().create_name(candidate, obj)
+            parsed = self._parsed[candidate] = (candidate, *match.group(1, 2))
+        candidate, base, num = parsed
+        used = self._used_names
+        if num is None or candidate in used:
+            count = self._base_count.get(base, 0)
+            if _illegal_names.get(candidate) is not None:  # a keyword or builtin: FX's rule for obj None
+                count += 1
+                candidate = f"{base}_{count}"
+        else:
+            count = int(num)
+        while candidate in used:
+            count += 1
+            candidate = f"{base}_{count}"
+        used.add(candidate)
+        self._base_count[base] = count
+        return candidate
+
+
 class Graph(fx.Graph):
     # FX's name for a target is a regex away: once per operator (a bounded set, unlike user functions)
     _target_names: dict[Any, str] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._graph_namespace = _Names()
 
     def _target_to_str(self, target: Any) -> str:
         name = self._target_names.get(target) if _lasting(target) else None
@@ -44,9 +80,19 @@ class Graph(fx.Graph):
 
     def create_node(self, op: str, target: Any, args: tuple | None = None, kwargs: dict | None = None,
                     name: str | None = None, type_expr: Any | None = None) -> fx.Node:
-        node = super().create_node(op, target, None, None, name, type_expr)
-        if args or kwargs:
-            node._update_args_kwargs(tuple(args or ()), dict(kwargs or {}))
+        # FX's create_node, less its argument walk and checks (see the module docstring)
+        name = self._graph_namespace.create_name(name if name is not None else self._target_to_str(target),
+                                                 None)
+        node = fx.Node(self, name, op, target, tuple(args) if args else (), dict(kwargs) if kwargs else {},
+                       type_expr)
+        hooks = getattr(self._owning_module, "_create_node_hooks", None)
+        if hooks:
+            for hook in hooks:
+                hook(node)
+        self._graph_namespace.associate_name_with_obj(name, node)
+        self._insert(node)
+        self._find_nodes_lookup_table.insert(node)
+        self._len += 1
         return node
 
     def python_code(self, root_module: str, **kwargs: Any) -> PythonCode:

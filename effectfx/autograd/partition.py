@@ -10,11 +10,13 @@ Every effectful node survives, in the graph of its phase.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from .. import ops
 from ..graphs import Graph, graph_module
 from ..passes.dce import is_effectful
 
@@ -45,6 +47,25 @@ def _live(roots: list[fx.Node], inside: set[fx.Node]) -> set[fx.Node]:
     return live
 
 
+def _effectful_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The nodes that must survive whatever uses them; a region's effects are asked once per subgraph."""
+    by_attr: dict[fx.Node, bool] = {}
+    found = []
+    for node in nodes:
+        if node.target is operator.getitem:
+            continue
+        if node.target is ops.invoke_subgraph:
+            attr = node.args[0]
+            keep = by_attr.get(attr)
+            if keep is None:
+                keep = by_attr[attr] = is_effectful(node)
+        else:
+            keep = is_effectful(node)
+        if keep:
+            found.append(node)
+    return found
+
+
 def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
     for node in nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -58,17 +79,17 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
     backward = {n for n in nodes[:-1] if _is_backward(n)}
     forward = {n for n in nodes[:-1] if n not in backward}
 
-    live_bwd = _live([g for g in grads if g is not None] + [n for n in backward if is_effectful(n)], backward)
+    effectful = _effectful_nodes(nodes[:-1])
+    live_bwd = _live([g for g in grads if g is not None] + [n for n in effectful if n in backward], backward)
     saved_set = {i for n in live_bwd for i in n._input_nodes if i in forward}
     saved = [n for n in nodes if n in saved_set]
-    live_fwd = _live(outs + saved + [n for n in forward if is_effectful(n)], forward)
+    live_fwd = _live(outs + saved + [n for n in effectful if n in forward], forward)
 
     bwd_graph = Graph()
     benv: dict[fx.Node, fx.Node] = {}
     for node in saved:
-        ph = bwd_graph.placeholder(node.name)
-        ph.meta.update(node.meta)
-        ph.meta["phase"] = "backward"
+        ph = bwd_graph.create_node("placeholder", node.name, name=node.name)
+        ph.meta = {**node.meta, "phase": "backward"}
         benv[node] = ph
     tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
     _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents], benv)

@@ -49,21 +49,43 @@ class ambient_context:  # noqa: N801  (used like torch.no_grad)
         self.stack.close()
 
 
-def module_structure(module: torch.nn.Module) -> tuple:
-    """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards."""
-    from .region_call import module_tensors
+def module_tensors(module: torch.nn.Module, subs: list[tuple[str, torch.nn.Module]] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
+    stored as ``self.mask = ...``), which differ between instances just as parameters do.  ``subs`` is
+    ``module.named_modules()`` when the caller walked it already."""
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules() if subs is None else subs:
+        for table in (sub._parameters, sub._buffers, vars(sub)):
+            for k, v in table.items():
+                if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
+                    seen.add(id(v))
+                    yield (f"{prefix}.{k}" if prefix else k), v
 
-    classes = tuple((prefix, class_of(sub)) for prefix, sub in module.named_modules())
-    return (classes, tuple((name, TensorMeta.of(t)) for name, t in module_tensors(module)))
+
+class ModuleWalk:
+    """One walk of a module a region is called with: its submodules, and its tensors by name (the
+    call site's operands).  A call site walks each module once, for its key and its operands."""
+
+    __slots__ = ("subs", "tensors")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.subs = list(module.named_modules())
+        self.tensors = dict(module_tensors(module, self.subs))
+
+    def structure(self) -> tuple:
+        """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards."""
+        return (tuple((prefix, class_of(sub)) for prefix, sub in self.subs),
+                tuple((name, TensorMeta.of(t)) for name, t in self.tensors.items()))
 
 
-def leaf_key(value: Any, labels: bool = True) -> Any:
+def leaf_key(value: Any, labels: bool = True, walk: ModuleWalk | None = None) -> Any:
     """How a key holds one argument.  Strings are keyed by type only when ``labels`` (region calls): a
     body decides by its guards whether it uses their value or takes them as operands."""
     if isinstance(value, torch.Tensor):
         return TensorMeta.of(value)
     if isinstance(value, torch.nn.Module):
-        return ("module", module_structure(value))
+        return ("module", (walk or ModuleWalk(value)).structure())
     if isinstance(value, str) and labels:
         return ("str",)
     value = raw(value)
@@ -75,8 +97,11 @@ def leaf_key(value: Any, labels: bool = True) -> Any:
     return ("object", Ref(value))
 
 
-def call_key(leaves: Sequence[Any], spec: Any, labels: bool = True) -> tuple:
-    return (ambient(), spec, *[leaf_key(v, labels) for v in leaves])
+def call_key(leaves: Sequence[Any], spec: Any, labels: bool = True,
+             walks: dict[int, ModuleWalk] | None = None) -> tuple:
+    """``walks``: the call site's walk of each module argument, by leaf position."""
+    get = (walks or {}).get
+    return (ambient(), spec, *[leaf_key(v, labels, get(i)) for i, v in enumerate(leaves)])
 
 
 def key_labels(names: Sequence[str]) -> tuple[str, ...]:

@@ -8,12 +8,11 @@ The first call with a new cache key traces a body; every call then emits
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import operator
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,16 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_le
 from .. import ops
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError
 from ..regions import Region
-from .identity import ambient_context, call_key, code_reads, guards_hold, key_labels, resolve
+from .identity import (
+    ModuleWalk,
+    ambient_context,
+    call_key,
+    code_reads,
+    guards_hold,
+    key_labels,
+    module_tensors,
+    resolve,
+)
 from .meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
 from .python_print import region_result_grad_fn
 from .reads import Reads, raw, recording, report_read
@@ -78,18 +86,6 @@ class RegionBody:
         return (self.key, self.guards)
 
 
-def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
-    stored as ``self.mask = ...``), which differ between instances just as parameters do."""
-    seen: set[int] = set()
-    for prefix, sub in module.named_modules():  # one walk: every call site keys its module by this
-        for table in (sub._parameters, sub._buffers, vars(sub)):
-            for k, v in table.items():
-                if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
-                    seen.add(id(v))
-                    yield (f"{prefix}.{k}" if prefix else k), v
-
-
 _FLAT_SPECS: dict[int, Any] = {}
 
 
@@ -139,10 +135,6 @@ def check_containers_unchanged(where: str, fn: Any, names: list[str], spec: Any,
         "effectfx cannot write Python containers back to the caller, so the change would be lost. Return "
         "the new values instead and update the container outside the captured code."
     )
-
-
-def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
-    return functools.reduce(getattr, name.split("."), module)
 
 
 def operand_node(tracer: Tracer, value: Any) -> Any:
@@ -250,7 +242,8 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             "from the recursive function."
         )
     leaves, spec = flatten_call(args, kwargs)
-    key = call_key(leaves, spec)
+    walks = {i: ModuleWalk(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
+    key = call_key(leaves, spec, walks=walks)
     # Note [Region identity]: the first body with this key whose guards hold on these arguments
     body = next((b for b in tracer.candidates.get((region.fn, key), ())
                  if guards_hold(b.guards, leaves)), None)
@@ -263,7 +256,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         if src.kind == "arg":
             operands.append(leaves[src.index])
         elif src.kind == "module":
-            operands.append(_module_tensor(leaves[src.index], src.name))
+            operands.append(walks[src.index].tensors[src.name])
         elif src.kind == "label":
             operands.append(resolve(src.path, leaves))  # read through the caller: its reads see it
         else:
