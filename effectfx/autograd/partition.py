@@ -67,8 +67,11 @@ def _effectful_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
 
 
 def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+    """``graph.node_copy`` of each node, without FX's lookup-table update for the new node's meta."""
     for node in nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+        args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+        copy = env[node] = graph.create_node(node.op, node.target, args, kwargs, node.name, node.type)
+        copy.meta.update(node.meta)
 
 
 def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = False) -> Partition:
@@ -89,7 +92,8 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
     benv: dict[fx.Node, fx.Node] = {}
     for node in saved:
         ph = bwd_graph.create_node("placeholder", node.name, name=node.name)
-        ph.meta = {**node.meta, "phase": "backward"}
+        ph.meta.update(node.meta)  # (assigning meta costs FX a lookup-table update)
+        ph.meta["phase"] = "backward"
         benv[node] = ph
     tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
     _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents], benv)
