@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -21,8 +22,12 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import PythonCode, _illegal_names, _name_regex, _Namespace
 
 from .codegen import runtime_code
+from .steps import INTERPRETED_RUNS, steps_for
 
 _RUNTIME = threading.local()  # set while a GraphModule generates the code it runs
+# per GraphModule not running its code yet: [graph, its steps (None: not interpretable), runs so far]; kept
+# outside the module so copies and pickles of it never see them
+_TIERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _lasting(target: Any) -> bool:
@@ -95,11 +100,16 @@ class Graph(fx.Graph):
         self._len += 1
         return node
 
+    def runtime_calls(self, module_calls: str | None) -> str | None:
+        """How what runs this graph calls operators ("direct": their C++ entry points, or "overload"), or
+        None for FX's code: the module's own setting first (``module_calls``), then the codegen's."""
+        plain = "overload" if type(self._codegen) is fx.graph.CodeGen else None
+        return module_calls or getattr(self._codegen, "runtime_calls", plain)
+
     def python_code(self, root_module: str, **kwargs: Any) -> PythonCode:
         # codegens that run effectfx's graphs say how they call operators (so may the module running the
         # graph); any other codegen (FX's pytree convention, say) and any printing option get FX's
-        plain = "overload" if type(self._codegen) is fx.graph.CodeGen else None
-        calls = getattr(_RUNTIME, "calls", None) or getattr(self._codegen, "runtime_calls", plain)
+        calls = self.runtime_calls(getattr(_RUNTIME, "calls", None))
         running = getattr(_RUNTIME, "active", False) and root_module == "self" and not any(kwargs.values())
         if running and calls:
             code = runtime_code(self, direct=calls == "direct")
@@ -114,6 +124,25 @@ class GraphModule(_LazyGraphModule):
     (a loaded program's graphs: ``runtime.serialize``)."""
 
     runtime_calls: str | None = None
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the first runs are interpreted (effectfx.steps); the code is generated when the graph runs again
+        tier = _TIERS.get(self)
+        graph = self.graph
+        if tier is None or tier[0] is not graph:
+            calls = graph.runtime_calls(self.runtime_calls) if isinstance(graph, Graph) else None
+            tier = _TIERS[self] = [graph, steps_for(graph, calls == "direct") if calls else None, 0]
+        if tier[1] is not None and tier[2] < INTERPRETED_RUNS and not kwargs:
+            tier[2] += 1
+            return tier[1](self, args)
+        _TIERS.pop(self, None)
+        return super()._lazy_forward(*args, **kwargs)
+
+    forward = _lazy_forward
+
+    def recompile(self) -> None:  # type: ignore[override]
+        _TIERS.pop(self, None)  # the graph changed: new steps, and new code when it runs
+        super().recompile()
 
     def _real_recompile(self) -> PythonCode:
         previous = getattr(_RUNTIME, "active", False), getattr(_RUNTIME, "calls", None)

@@ -1,0 +1,172 @@
+"""Running a graph without generating its code: its nodes as a list of steps (the first tier).
+
+A GraphModule's code costs ~15-40 us per node to generate and for Python to ``compile``, about what
+interpreting that node costs over 20 to 40 runs.  Most graphs of a capture run a handful of times, and
+the root graph of a model whose layers are regions is one call per layer: generating its code is most of
+what a call site costs on the first call.  So ``effectfx.graphs.GraphModule`` runs a graph's first
+:data:`INTERPRETED_RUNS` runs through :class:`Steps` and generates code (``effectfx.codegen``) when it runs
+again.  Both tiers do the same thing in the same order: nodes run in graph order, operators are called as
+the code would call them (``OpOverload`` or its direct ``_op``), and computed values are released after
+their last use.
+
+A step reads its arguments out of one list of values (``operator.itemgetter`` over slots: the arguments
+of a node are gathered in C), so interpreting a node costs about a microsecond.  A graph this cannot
+interpret exactly (``call_module``, placeholders with defaults, a pytree calling convention, containers
+the fast path does not rebuild) is left to the code.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+INTERPRETED_RUNS = 2  # runs of a graph before its code is generated
+
+
+class _Unsupported(Exception):
+    """A graph these steps do not run exactly: its code does."""
+
+
+def _gather(slots: list[int]) -> Callable[[list[Any]], tuple]:
+    """A function of the values list returning the values at ``slots``, as a tuple."""
+    if not slots:
+        return lambda env: ()
+    if len(slots) == 1:
+        only = slots[0]
+        return lambda env: (env[only],)
+    return operator.itemgetter(*slots)
+
+
+class Steps:
+    """One graph as steps.  Call it with the module and the graph's inputs (no keyword arguments)."""
+
+    def __init__(self, graph: fx.Graph, direct: bool) -> None:
+        nodes = list(graph.nodes)
+        index = {node: i for i, node in enumerate(nodes)}
+        self.initial: list[Any] = []  # the values list at the start of a run: constants filled in
+        self.slots: dict[fx.Node, int] = {}
+        self.n_inputs = 0
+        constants: dict[tuple[type, Any] | int, int] = {}
+
+        def constant(value: Any) -> int:
+            plain = type(value) in (int, str, bool, float) or value is None
+            key = (type(value), value) if plain else id(value)
+            slot = constants.get(key)
+            if slot is None:
+                slot = constants[key] = len(self.initial)
+                self.initial.append(value)
+            return slot
+
+        def slot_of(value: Any, shared: bool = False) -> int:
+            if type(value) is fx.Node:
+                return self.slots[value]
+            if isinstance(value, (tuple, list, dict, slice)) and not (shared and _constant(value)):
+                raise _Unsupported  # a container the code builds anew on every run
+            return constant(value)
+
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        for node in placeholders:
+            if node.args:
+                raise _Unsupported  # a default value
+            self.slots[node] = len(self.initial)
+            self.initial.append(None)
+        self.n_inputs = len(placeholders)
+        last_use: dict[int, list[int]] = {}  # step -> slots it is the last reader of
+        step_of: dict[fx.Node, int] = {}
+        self.steps: list[tuple[int, Any, Any, dict, int]] = []
+        self.output: Callable[[list[Any]], Any] | None = None
+        for node in nodes:
+            op = node.op
+            if op == "placeholder":
+                continue
+            if op == "output":
+                self.output = _output(node.args[0], slot_of)
+                break
+            if op == "get_attr":
+                kind, fn, gather, kwargs = 0, operator.attrgetter(str(node.target)), None, {}
+            elif op in ("call_function", "call_method"):
+                # an operator converts a constant list to its own argument type: it may share one
+                shared = isinstance(node.target, torch._ops.OpOverload)
+                args = [slot_of(a, shared) for a in node.args]
+                kwargs = dict(node.kwargs)
+                if not all(v is None or type(v) in (int, float, bool, str) or shared and _constant(v)
+                           for v in kwargs.values()):
+                    raise _Unsupported
+                if op == "call_method":
+                    fn = _method(str(node.target))
+                else:
+                    target = node.target
+                    fn = target._op if direct and isinstance(target, torch._ops.OpOverload) else target
+                kind, gather = 1, _gather(args)
+            else:
+                raise _Unsupported  # call_module
+            slot = len(self.initial)
+            self.initial.append(None)
+            self.slots[node] = slot
+            step_of[node] = len(self.steps)
+            self.steps.append((kind, fn, gather, kwargs, slot))
+        if self.output is None:
+            raise _Unsupported
+        # release each computed value after its last reader, as the code does (inputs and attributes stay)
+        for node in step_of:
+            if node.op != "get_attr" and node.users:
+                last = max(node.users, key=index.__getitem__)
+                if last.op != "output":
+                    last_use.setdefault(step_of[last], []).append(self.slots[node])
+        self.release = [tuple(last_use.get(i, ())) for i in range(len(self.steps))]
+
+    def __call__(self, module: torch.nn.Module, inputs: tuple) -> Any:
+        if len(inputs) != self.n_inputs:
+            raise TypeError(f"forward() takes {self.n_inputs} inputs, {len(inputs)} given")
+        env = self.initial.copy()
+        env[: self.n_inputs] = inputs
+        for (kind, fn, gather, kwargs, slot), release in zip(self.steps, self.release):
+            if kind:
+                env[slot] = fn(*gather(env), **kwargs) if kwargs else fn(*gather(env))
+            else:
+                env[slot] = fn(module)
+            for dead in release:
+                env[dead] = None
+        assert self.output is not None
+        return self.output(env)
+
+
+def _method(name: str) -> Callable[..., Any]:
+    def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(obj, name)(*args, **kwargs)
+
+    return call
+
+
+def _output(value: Any, slot_of: Callable[[Any], int]) -> Callable[[list[Any]], Any]:
+    """What the output node returns, read from the values list."""
+    kind = type(value)
+    if kind is tuple or kind is list or kind is immutable_list:
+        gather = _gather([slot_of(v) for v in value])
+        return gather if kind is tuple else (lambda env: list(gather(env)))
+    if kind is dict or kind is immutable_dict:
+        raise _Unsupported
+    only = slot_of(value)
+    return lambda env: env[only]
+
+
+def _constant(value: Any) -> bool:
+    """A container without nodes inside."""
+    if isinstance(value, (tuple, list)):
+        return all(_constant(v) for v in value)
+    if isinstance(value, dict):
+        return all(_constant(v) for v in value.values())
+    return type(value) is not fx.Node and not isinstance(value, slice)
+
+
+def steps_for(graph: fx.Graph, direct: bool) -> Steps | None:
+    """The steps of ``graph``, or None when its code must run it."""
+    try:
+        return Steps(graph, direct)
+    except _Unsupported:
+        return None

@@ -1,0 +1,138 @@
+"""effectfx.steps: a graph's first runs are interpreted, then its code runs; both compute the same values,
+perform the same effects in the same order, and release values after their last use."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+
+import hypothesis.strategies as st
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+
+import effectfx as efx
+from effectfx.graphs import GraphModule, graph_module
+from effectfx.steps import INTERPRETED_RUNS, steps_for
+from effectfx.testing.effect_ops import recording
+from effectfx.testing.graphs import random_graphs, sample_graph
+from effectfx.testing.models import Stack
+
+aten = torch.ops.aten
+
+
+def _runs_code(gm: fx.GraphModule) -> bool:
+    return type(gm).forward is not GraphModule._lazy_forward
+
+
+def test_first_runs_interpreted_then_code() -> None:
+    gm = graph_module(torch.nn.Module(), sample_graph(), "Sample")
+    x = torch.randn(3)
+    expected = fx.GraphModule(torch.nn.Module(), sample_graph())(x)
+    for run in range(INTERPRETED_RUNS + 2):
+        assert _runs_code(gm) == (run > INTERPRETED_RUNS)  # generated on the run after the interpreted ones
+        out = gm(x)
+        assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1]) and out[2] == expected[2]
+    assert _runs_code(gm)
+    fresh = graph_module(torch.nn.Module(), sample_graph(), "Sample")
+    fresh(x)
+    assert not _runs_code(fresh)  # a graph run once never generated its code
+
+
+def test_a_changed_graph_is_interpreted_anew() -> None:
+    gm = graph_module(torch.nn.Module(), sample_graph(), "Sample")
+    x = torch.randn(3)
+    gm(x)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        neg = gm.graph.call_function(aten.neg.default, (out.args[0][0],))
+    out.args = ((neg, *out.args[0][1:]),)
+    gm.recompile()
+    assert torch.equal(gm(x)[0], -fx.GraphModule(torch.nn.Module(), sample_graph())(x)[0])
+    assert not _runs_code(gm)
+
+
+@given(random_graphs(), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_random_graphs_interpret_as_fx_computes(case: tuple[fx.Graph, int], direct: bool) -> None:
+    graph, n_inputs = case
+    steps = steps_for(graph, direct)
+    assert steps is not None
+    inputs = [torch.randn(3) for _ in range(n_inputs)]
+    expected = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
+    got = steps(torch.nn.Module(), tuple(inputs))
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+_SEEN: list[weakref.ref] = []
+
+
+def _keep(x: torch.Tensor) -> torch.Tensor:
+    out = x + 1
+    _SEEN.append(weakref.ref(out))
+    return out
+
+
+def _alive(x: torch.Tensor) -> bool:
+    return _SEEN[-1]() is not None
+
+
+def test_values_released_after_last_use() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    kept = g.call_function(_keep, (x,))
+    doubled = g.call_function(aten.mul.Tensor, (kept, 2))  # the last use of ``kept``
+    g.output((g.call_function(_alive, (doubled,)), doubled))
+    steps = steps_for(g, direct=True)
+    assert steps is not None
+    alive, _ = steps(torch.nn.Module(), (torch.randn(2),))
+    assert alive is False  # released before the next node ran, as the generated code does
+
+
+def test_graphs_with_modules_or_node_lists_run_their_code() -> None:
+    root = torch.nn.Module()
+    root.lin = torch.nn.Linear(2, 2)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_module("lin", (x,)))
+    assert steps_for(g, direct=False) is None
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(aten.cat.default, ([x, x],)))  # a list built from nodes on every run
+    assert steps_for(g, direct=False) is None
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(aten.view.default, (x, [2, 2])))  # a constant list an operator only reads
+    assert steps_for(g, direct=True) is not None
+
+
+def test_compiled_stack_is_eager_equal_in_every_tier() -> None:
+    torch.manual_seed(0)
+    model = Stack(n=3, width=4, done=True)
+    compiled = efx.compile(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with recording() as eager_log:
+        expected = model(x)
+        expected.sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    for _ in range(INTERPRETED_RUNS + 2):  # interpreted runs, then the runs of the generated code
+        model.zero_grad()
+        with recording() as log:
+            out = compiled(x)
+            out.sum().backward()
+        assert log == eager_log
+        assert torch.equal(out, expected)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), eager_grads))
+    program = compiled.programs()[0]
+    assert _runs_code(program.forward.graph_module) and _runs_code(program.backward.graph_module)
+
+
+def test_getitem_of_a_tuple_output() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    pair = g.call_function(torch.ops.aten.var_mean.correction, (x,), {"correction": 0})
+    g.output((g.call_function(operator.getitem, (pair, 1)),))
+    steps = steps_for(g, direct=True)
+    assert steps is not None
+    x = torch.randn(4)
+    assert torch.equal(steps(torch.nn.Module(), (x,))[0], fx.GraphModule(torch.nn.Module(), g)(x)[0])
