@@ -116,7 +116,7 @@ class _Writer:
         return f"{fn}({', '.join(args)})"
 
 
-def _items_taken(node: fx.Node) -> list[tuple[int, fx.Node]] | None:
+def items_taken(node: fx.Node) -> list[tuple[int, fx.Node]] | None:
     """``[(index, getitem node)]`` when every user of ``node`` takes a constant item of it, else None."""
     items = []
     for user in node.users:
@@ -146,7 +146,7 @@ def _generate(graph: fx.Graph, direct: bool) -> PythonCode:
     unpacked: dict[fx.Node, list[tuple[int, fx.Node]]] = {}
     for node in nodes:
         if node.op in ("call_function", "call_method") and node.users and node not in folded:
-            items = _items_taken(node)
+            items = items_taken(node)
             if items is not None:
                 used = [(k, u) for k, u in items if u.users]
                 unpacked[node] = sorted(used, key=lambda item: index[item[1]])

@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
+from .codegen import items_taken
+
 INTERPRETED_RUNS = 2  # runs of a graph before its code is generated
 
 
@@ -48,51 +50,54 @@ class Steps:
     def __init__(self, graph: fx.Graph, direct: bool) -> None:
         nodes = list(graph.nodes)
         index = {node: i for i, node in enumerate(nodes)}
-        self.initial: list[Any] = []  # the values list at the start of a run: constants filled in
-        self.slots: dict[fx.Node, int] = {}
-        self.n_inputs = 0
-        constants: dict[tuple[type, Any] | int, int] = {}
+        initial: list[Any] = []  # the values list at the start of a run: inputs, then constants filled in
+        slots: dict[fx.Node, int] = {}
+        constants: dict[Any, int] = {}
 
         def constant(value: Any) -> int:
-            plain = type(value) in (int, str, bool, float) or value is None
+            plain = value is None or type(value) in (int, str, bool, float)
             key = (type(value), value) if plain else id(value)
             slot = constants.get(key)
             if slot is None:
-                slot = constants[key] = len(self.initial)
-                self.initial.append(value)
+                slot = constants[key] = len(initial)
+                initial.append(value)
             return slot
 
         def slot_of(value: Any, shared: bool = False) -> int:
             if type(value) is fx.Node:
-                return self.slots[value]
+                return slots[value]
             if isinstance(value, (tuple, list, dict, slice)) and not (shared and _constant(value)):
                 raise _Unsupported  # a container the code builds anew on every run
             return constant(value)
 
-        placeholders = [n for n in nodes if n.op == "placeholder"]
-        for node in placeholders:
-            if node.args:
-                raise _Unsupported  # a default value
-            self.slots[node] = len(self.initial)
-            self.initial.append(None)
-        self.n_inputs = len(placeholders)
-        last_use: dict[int, list[int]] = {}  # step -> slots it is the last reader of
-        step_of: dict[fx.Node, int] = {}
-        self.steps: list[tuple[int, Any, Any, dict, int]] = []
-        self.output: Callable[[list[Any]], Any] | None = None
+        def new_slot(node: fx.Node) -> int:
+            slot = slots[node] = len(initial)
+            initial.append(None)
+            return slot
+
+        for node in nodes:
+            if node.op == "placeholder":
+                if node.args:
+                    raise _Unsupported  # a default value
+                new_slot(node)
+        self.n_inputs = len(slots)
+        step_of: dict[fx.Node, int] = {}  # a value -> the step that makes it
+        folded: set[fx.Node] = set()  # items a call's step stores itself (the tuple is never stored)
+        self.steps: list[tuple[int, Any, Any, dict, Any]] = []
+        output: Callable[[list[Any]], Any] | None = None
         for node in nodes:
             op = node.op
-            if op == "placeholder":
+            if op == "placeholder" or node in folded:
                 continue
             if op == "output":
-                self.output = _output(node.args[0], slot_of)
+                output = _output(node.args[0], slot_of)
                 break
             if op == "get_attr":
-                kind, fn, gather, kwargs = 0, operator.attrgetter(str(node.target)), None, {}
+                step: tuple = (0, operator.attrgetter(str(node.target)), None, {}, new_slot(node))
             elif op in ("call_function", "call_method"):
                 # an operator converts a constant list to its own argument type: it may share one
                 shared = isinstance(node.target, torch._ops.OpOverload)
-                args = [slot_of(a, shared) for a in node.args]
+                gather = _gather([slot_of(a, shared) for a in node.args])
                 kwargs = dict(node.kwargs)
                 if not all(v is None or type(v) in (int, float, bool, str) or shared and _constant(v)
                            for v in kwargs.values()):
@@ -102,22 +107,32 @@ class Steps:
                 else:
                     target = node.target
                     fn = target._op if direct and isinstance(target, torch._ops.OpOverload) else target
-                kind, gather = 1, _gather(args)
+                items = items_taken(node) if node.users else None
+                if items is None:
+                    step = (1, fn, gather, kwargs, new_slot(node))
+                else:  # ``a, b = call(...)`` as the code does: the items only
+                    folded.update(user for _, user in items)
+                    used = sorted(((k, u) for k, u in items if u.users), key=lambda item: index[item[1]])
+                    for _, user in used:
+                        step_of[user] = len(self.steps)
+                    step = (2, fn, gather, kwargs, tuple((k, new_slot(u)) for k, u in used))
             else:
                 raise _Unsupported  # call_module
-            slot = len(self.initial)
-            self.initial.append(None)
-            self.slots[node] = slot
             step_of[node] = len(self.steps)
-            self.steps.append((kind, fn, gather, kwargs, slot))
-        if self.output is None:
+            self.steps.append(step)
+        if output is None:
             raise _Unsupported
-        # release each computed value after its last reader, as the code does (inputs and attributes stay)
+        self.output = output
+        self.initial = initial
+        # each computed value is released after its last reader, as the code does (inputs and attributes
+        # stay); one nothing reads, at once
+        last_use: dict[int, list[int]] = {}
         for node in step_of:
-            if node.op != "get_attr" and node.users:
-                last = max(node.users, key=index.__getitem__)
-                if last.op != "output":
-                    last_use.setdefault(step_of[last], []).append(self.slots[node])
+            if node.op == "get_attr" or node not in slots:
+                continue
+            last = max(node.users, key=index.__getitem__) if node.users else node
+            if last.op != "output":
+                last_use.setdefault(step_of[last], []).append(slots[node])
         self.release = [tuple(last_use.get(i, ())) for i in range(len(self.steps))]
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> Any:
@@ -125,14 +140,17 @@ class Steps:
             raise TypeError(f"forward() takes {self.n_inputs} inputs, {len(inputs)} given")
         env = self.initial.copy()
         env[: self.n_inputs] = inputs
-        for (kind, fn, gather, kwargs, slot), release in zip(self.steps, self.release):
-            if kind:
-                env[slot] = fn(*gather(env), **kwargs) if kwargs else fn(*gather(env))
+        for (kind, fn, gather, kwargs, out), release in zip(self.steps, self.release):
+            if kind == 1:
+                env[out] = fn(*gather(env), **kwargs) if kwargs else fn(*gather(env))
+            elif kind == 2:
+                value = fn(*gather(env), **kwargs) if kwargs else fn(*gather(env))
+                for k, slot in out:
+                    env[slot] = value[k]
             else:
-                env[slot] = fn(module)
+                env[out] = fn(module)
             for dead in release:
                 env[dead] = None
-        assert self.output is not None
         return self.output(env)
 
 
