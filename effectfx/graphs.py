@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import types
-import weakref
 from typing import Any
 
 import torch
@@ -25,9 +24,6 @@ from .codegen import runtime_code
 from .steps import INTERPRETED_RUNS, steps_for
 
 _RUNTIME = threading.local()  # set while a GraphModule generates the code it runs
-# per GraphModule not running its code yet: [graph, its steps (None: not interpretable), runs so far]; kept
-# outside the module so copies and pickles of it never see them
-_TIERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _lasting(target: Any) -> bool:
@@ -126,27 +122,41 @@ class GraphModule(_LazyGraphModule):
     runtime_calls: str | None = None
 
     def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
-        # the first runs are interpreted (effectfx.steps); the code is generated when the graph runs again
-        tier = _TIERS.get(self)
-        graph = self.graph
-        if tier is None or tier[0] is not graph:
+        # the first runs are interpreted (effectfx.steps); the code is generated when the graph runs again.
+        # The state lives on the module's own class (FX makes one per module), which nothing else holds:
+        # copies and pickles of the module never see it, and it dies with the module
+        cls = type(self)
+        tier = cls.__dict__.get("_efx_tier")
+        if tier is None:
+            graph = self.graph
             calls = graph.runtime_calls(self.runtime_calls) if isinstance(graph, Graph) else None
-            tier = _TIERS[self] = [graph, steps_for(graph, calls == "direct") if calls else None, 0]
-        if tier[1] is not None and tier[2] < INTERPRETED_RUNS and not kwargs:
-            tier[2] += 1
-            return tier[1](self, args)
-        _TIERS.pop(self, None)
+            tier = [steps_for(graph, calls == "direct") if calls else None, 0]
+            cls._efx_tier = tier
+        if tier[0] is not None and tier[1] < INTERPRETED_RUNS and not kwargs:
+            tier[1] += 1
+            return tier[0](self, args)
+        tier[0] = None  # the code runs from now on
         return super()._lazy_forward(*args, **kwargs)
 
     forward = _lazy_forward
 
     def recompile(self) -> None:  # type: ignore[override]
-        _TIERS.pop(self, None)  # the graph changed: new steps, and new code when it runs
+        if "_efx_tier" in type(self).__dict__:
+            del type(self)._efx_tier  # the graph changed: new steps, and new code when it runs
         super().recompile()
+
+    def __reduce__(self) -> Any:
+        # pickling (torch.save) writes the module's code and imports its globals by name: FX's code, whose
+        # globals are importable (the lean code binds itemgetters, slices and constants as globals)
+        previous, _RUNTIME.pickling = getattr(_RUNTIME, "pickling", False), True
+        try:
+            return super().__reduce__()
+        finally:
+            _RUNTIME.pickling = previous
 
     def _real_recompile(self) -> PythonCode:
         previous = getattr(_RUNTIME, "active", False), getattr(_RUNTIME, "calls", None)
-        _RUNTIME.active, _RUNTIME.calls = True, self.runtime_calls
+        _RUNTIME.active, _RUNTIME.calls = not getattr(_RUNTIME, "pickling", False), self.runtime_calls
         try:
             return super()._real_recompile()
         finally:

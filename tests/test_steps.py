@@ -3,7 +3,10 @@ perform the same effects in the same order, and release values after their last 
 
 from __future__ import annotations
 
+import copy
+import gc
 import operator
+import pickle
 import weakref
 
 import hypothesis.strategies as st
@@ -50,6 +53,25 @@ def test_a_changed_graph_is_interpreted_anew() -> None:
     gm.recompile()
     assert torch.equal(gm(x)[0], -fx.GraphModule(torch.nn.Module(), sample_graph())(x)[0])
     assert not _runs_code(gm)
+
+
+def test_a_module_run_once_is_freed() -> None:
+    gm = graph_module(torch.nn.Module(), sample_graph(), "Sample")
+    gm(torch.randn(3))
+    assert not _runs_code(gm)
+    dead = weakref.ref(gm)
+    del gm
+    gc.collect()
+    assert dead() is None  # nothing outside the module keeps its steps, or the module
+
+
+def test_copies_and_pickles_of_an_interpreted_module() -> None:
+    gm = graph_module(torch.nn.Module(), sample_graph(), "Sample")
+    x = torch.randn(3)
+    expected = gm(x)
+    for other in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        got = other(x)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 @given(random_graphs(), st.booleans())
