@@ -1,12 +1,14 @@
 """Making graphs and GraphModules.
 
-``Graph`` is ``torch.fx.Graph`` without one cost: FX 2.13 walks every new node's arguments with pytree to
-warn about raw SymInts, which is most of the ~40 us a node costs.  effectfx traces static shapes only (no
-SymInt ever reaches a graph), and a capture creates a node per op and per region call site, so it skips
-that walk (about 5x cheaper per node).  Code generation is deferred until a module is printed or run,
-because most graphs of a capture are intermediate (joint graphs, forms that passes immediately rewrite),
-and the code a GraphModule runs comes from effectfx's lean generator (``effectfx.codegen``); printing
-still uses FX's.
+``Graph`` is ``torch.fx.Graph`` without two costs: FX 2.13 walks every new node's arguments with pytree to
+warn about raw SymInts, which is most of the ~40 us a node costs, and checks every node's name with a
+regex.  effectfx traces static shapes only (no SymInt ever reaches a graph), and a capture creates a node
+per op and per region call site, so it skips that walk (about 5x cheaper per node) and checks a name
+candidate once (``_Names``: the same names as FX's).  Code generation is deferred until a module is
+printed or runs a third time, because most graphs of a capture are intermediate (joint graphs, forms that
+passes immediately rewrite) and many run once or twice: a GraphModule's first runs are interpreted
+(``effectfx.steps``), and the code it runs after that comes from effectfx's lean generator
+(``effectfx.codegen``); printing still uses FX's.
 """
 
 from __future__ import annotations
@@ -32,35 +34,32 @@ def _lasting(target: Any) -> bool:
 
 
 class _Names(_Namespace):
-    """FX's namespace, with the parsing of a candidate name (two regexes) done once per candidate rather
-    than once per node; names come out exactly as FX's."""
+    """FX's namespace, with the check of a candidate name (a regex) done once per candidate rather than once
+    per node; names come out exactly as FX's.  Only candidates that name no number (``relu``, ``getitem``:
+    a bounded set) take the fast path; ``getitem_57`` and any name given with an object go to FX's."""
 
-    _parsed: dict[str, tuple[str, str, str | None]] = {}
+    _valid: set[str] = set()
 
     def create_name(self, candidate: str, obj: object | None) -> str:
-        parsed = self._parsed.get(candidate)
-        if parsed is None or obj is not None:
-            if obj is not None or len(self._parsed) > 4096:  # names of new values: kept bounded
+        if obj is not None or candidate[-1:].isdigit():
+            return super().create_name(candidate, obj)
+        if candidate not in self._valid:
+            if _name_regex.match(candidate) is None or len(self._valid) > 4096:
                 return super().create_name(candidate, obj)
-            match = _name_regex.match(candidate)
-            if match is None:
-                return super().create_name(candidate, obj)
-            parsed = self._parsed[candidate] = (candidate, *match.group(1, 2))
-        candidate, base, num = parsed
+            self._valid.add(candidate)
+        # FX's rule for a candidate without a number: its base is itself
         used = self._used_names
-        if num is None or candidate in used:
-            count = self._base_count.get(base, 0)
-            if _illegal_names.get(candidate) is not None:  # a keyword or builtin: FX's rule for obj None
-                count += 1
-                candidate = f"{base}_{count}"
-        else:
-            count = int(num)
-        while candidate in used:
+        count = self._base_count.get(candidate, 0)
+        name = candidate
+        if _illegal_names.get(candidate) is not None:  # a keyword or builtin
             count += 1
-            candidate = f"{base}_{count}"
-        used.add(candidate)
-        self._base_count[base] = count
-        return candidate
+            name = f"{candidate}_{count}"
+        while name in used:
+            count += 1
+            name = f"{candidate}_{count}"
+        used.add(name)
+        self._base_count[candidate] = count
+        return name
 
 
 class Graph(fx.Graph):

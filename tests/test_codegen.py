@@ -85,3 +85,17 @@ def test_slices_constants_and_a_parameter_named_self() -> None:
     me = g.placeholder("self")  # the generated method's own first parameter: left to FX's generator
     g.output(g.call_function(aten.neg.default, (me,)))
     assert runtime_code(g, direct=False) is None
+
+
+_CANDIDATES = ["relu", "getitem", "getitem_1", "getitem_5", "x", "x1", "sum", "list", "class", "None", "a_b",
+               "a_b_2", "_2", "2x", "bad name", "Ab", "__spec__", "self", "relu_1"]
+
+
+@given(st.lists(st.sampled_from(_CANDIDATES), max_size=40))
+@settings(max_examples=100, deadline=None)
+def test_node_names_are_fx_names(candidates: list[str]) -> None:
+    """effectfx's graphs name nodes through a faster namespace: every name is the one FX would give."""
+    ours, theirs = Graph(), fx.Graph()
+    for candidate in candidates:
+        assert (ours._graph_namespace.create_name(candidate, None)
+                == theirs._graph_namespace.create_name(candidate, None))
