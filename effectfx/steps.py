@@ -83,6 +83,7 @@ class Steps:
         self.n_inputs = len(slots)
         step_of: dict[fx.Node, int] = {}  # a value -> the step that makes it
         folded: set[fx.Node] = set()  # items a call's step stores itself (the tuple is never stored)
+        self.nodes: list[fx.Node] = []  # the node of each step, for describe()
         self.steps: list[tuple[int, Any, Any, dict, Any]] = []
         output: Callable[[list[Any]], Any] | None = None
         for node in nodes:
@@ -120,9 +121,12 @@ class Steps:
                 raise _Unsupported  # call_module
             step_of[node] = len(self.steps)
             self.steps.append(step)
+            self.nodes.append(node)
         if output is None:
             raise _Unsupported
         self.output = output
+        self._output_node = node
+        self._names = {slot: n.name for n, slot in slots.items()}
         self.initial = initial
         # each computed value is released after its last reader, as the code does (inputs and attributes
         # stay); one nothing reads, at once
@@ -134,6 +138,33 @@ class Steps:
             if last.op != "output":
                 last_use.setdefault(step_of[last], []).append(slots[node])
         self.release = [tuple(last_use.get(i, ())) for i in range(len(self.steps))]
+
+    def describe(self) -> str:
+        """The steps as text, one line per step: what it stores, what it calls, what it releases."""
+        def text(value: Any) -> str:
+            if type(value) is fx.Node:
+                return value.name
+            if isinstance(value, (tuple, list)):
+                inner = ", ".join(text(v) for v in value)
+                return f"({inner},)" if type(value) is tuple and len(value) == 1 else (
+                    f"({inner})" if isinstance(value, tuple) else f"[{inner}]")
+            return repr(value)
+
+        lines = []
+        for (kind, _, _, _, out), node, release in zip(self.steps, self.nodes, self.release):
+            stored = ", ".join(self._names[slot] for _, slot in out) if kind == 2 else self._names[out]
+            if kind == 0:
+                call = f"self.{node.target}"
+            else:
+                args = [text(a) for a in node.args] + [f"{k}={text(v)}" for k, v in node.kwargs.items()]
+                target = node.target
+                name = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(
+                    target, "__name__", str(target))
+                call = f"{name}({', '.join(args)})"
+            freed = f"  # release {', '.join(self._names[s] for s in release)}" if release else ""
+            lines.append(f"{stored} = {call}{freed}")
+        lines.append(f"return {text(self._output_node.args[0])}")
+        return "\n".join(lines)
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> Any:
         if len(inputs) != self.n_inputs:

@@ -7,6 +7,7 @@ import copy
 import gc
 import operator
 import pickle
+import textwrap
 import weakref
 
 import hypothesis.strategies as st
@@ -26,6 +27,18 @@ aten = torch.ops.aten
 
 def _runs_code(gm: fx.GraphModule) -> bool:
     return type(gm).forward is not GraphModule._lazy_forward
+
+
+def test_golden_steps() -> None:
+    steps = steps_for(sample_graph(), direct=True)
+    assert steps is not None
+    assert steps.describe() == textwrap.dedent("""\
+        getitem, getitem_1 = _pair(x)
+        getitem_3 = getitem(getitem_1, 0)
+        getitem_4 = getitem(getitem_1, 1)  # release getitem_1
+        add_tensor = aten.add.Tensor(getitem, getitem_3, alpha=2)  # release getitem, getitem_3
+        sum_dim_int_list = aten.sum.dim_IntList(add_tensor, [0], True)  # release sum_dim_int_list
+        return (add_tensor, getitem_4, inf)""")
 
 
 def test_first_runs_interpreted_then_code() -> None:
