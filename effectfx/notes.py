@@ -100,7 +100,8 @@ backward of a traced graph is *per set of outputs that got a gradient*.  Both au
 a traced graph -- ``RegionCall`` (a region's call site, during capture) and the one of a compiled training
 program (at run time) -- take their gradients unmaterialized; when some are missing they call the
 backward for exactly the outputs that got one, which is traced once per set: the code is traced again
-(same arguments, same grad mode and autocast) with ``torch.autograd.grad`` over those outputs only, and
+(the same arguments, as they were at the call, for the forward may have written one in place since;
+the same grad mode and autocast) with ``torch.autograd.grad`` over those outputs only, and
 that trace's backward is kept; its forward is dropped.  The traces run the same forward, so the values
 the new backward reads are found among the saved values of the first by node name (and metadata), and
 every node the new forward kept must be the first's, arguments and constants included; a mismatch is an

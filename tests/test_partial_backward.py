@@ -14,6 +14,7 @@ from torch import nn
 
 import effectfx as efx
 from effectfx.testing import check_against_eager, recording
+from effectfx.testing.differential import check_mutations_against_eager, fresh_args
 
 R = torch.ops.efxtest
 
@@ -81,6 +82,27 @@ def test_nested_regions_run_the_backward_of_what_was_used(use: tuple[int, ...]) 
     result = check_against_eager(f, x_grad(3))
     expected = {0: "grad 2.0", 1: "grad 3.0", 2: "grad 4.0"}
     assert sorted(e[1] for e in result.log) == sorted(expected[i] for i in use)
+
+
+@efx.region
+def _adds_into(target, xs):
+    first = xs[0]
+    target.add_(first)  # the caller's tensor now requires grad and has a history
+    return first, R.scale(first, 2.0)
+
+
+@efx.region
+def _updates_then_uses_one(x, y):
+    _, scaled = _adds_into(y, [x, x + x])  # its first result is unused: a partial backward of _adds_into
+    return scaled
+
+
+def test_retrace_sees_the_arguments_as_they_were_at_the_call() -> None:
+    """A partial backward traces the body again (Note [Partial backward]) on the call site's arguments as
+    they were when it was called: the forward wrote one in place since, which made it require grad."""
+    check_mutations_against_eager(_updates_then_uses_one, fresh_args((x_grad(2, 3), torch.randn(2, 3))))
+    prog = efx.capture(_updates_then_uses_one, x_grad(2, 3), torch.randn(2, 3))
+    assert prog.region_traces == {"subgraph_0": 1, "subgraph_1": 1}  # the retrace reused the inner body
 
 
 def test_input_reached_only_through_an_unused_result_gets_no_gradient() -> None:

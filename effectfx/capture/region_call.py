@@ -177,13 +177,22 @@ def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr:
 
 
 class CallSite:
-    """What a call site's backward may need to trace the body again (Note [Partial backward]).  One
-    object, not a tuple: ``Function.apply`` walks its arguments with pytree, and this is a leaf."""
+    """What a call site's backward may need to trace the body again (Note [Partial backward]): the
+    arguments, and their tensors as they were at the call -- the forward may have written one in place
+    since (a body updating its argument), which made it require grad and gave it a history.  One object,
+    not a tuple: ``Function.apply`` walks its arguments with pytree, and this is a leaf."""
 
-    __slots__ = ("leaves", "spec", "args", "kwargs", "ambient")
+    __slots__ = ("leaves", "spec", "args", "kwargs", "ambient", "key", "nonleaf")
 
-    def __init__(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict, ambient: Any) -> None:
+    def __init__(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict, ambient: Any, key: tuple
+                 ) -> None:
         self.leaves, self.spec, self.args, self.kwargs, self.ambient = leaves, spec, args, kwargs, ambient
+        self.key = key  # identity.call_key: each tensor's metadata at the call
+        self.nonleaf = [isinstance(leaf, torch.Tensor) and not leaf.is_leaf for leaf in leaves]
+
+    def tensor_at_call(self, i: int) -> tuple[TensorMeta, bool]:
+        """Leaf ``i``'s metadata and whether it had a history, when the call was made."""
+        return self.key[2 + i], self.nonleaf[i]
 
 
 class RegionCall(torch.autograd.Function):
@@ -262,8 +271,8 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         else:
             operands.append(src.tensor)
     if traced.backward is not None:
-        outs = list(RegionCall.apply(tracer, body, CallSite(leaves, spec, args, kwargs, ambient_context()),
-                                     *operands))
+        call = CallSite(leaves, spec, args, kwargs, ambient_context(), key)
+        outs = list(RegionCall.apply(tracer, body, call, *operands))
     else:
         outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
     if traced.mutated:
@@ -311,8 +320,10 @@ def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operand
 
 
 def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tuple, kwargs: dict,
-           grad_outputs: tuple[bool, ...] | None = None) -> tuple[TracedGraph, tuple]:
-    """Trace ``region``'s body on fakes of ``leaves``: its graph(s) and its guards."""
+           grad_outputs: tuple[bool, ...] | None = None, call: CallSite | None = None
+           ) -> tuple[TracedGraph, tuple]:
+    """Trace ``region``'s body on fakes of ``leaves`` (as they were at ``call``, when retraced for it):
+    its graph(s) and its guards."""
     module_params: dict[int, tuple[int, str]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.nn.Module):
@@ -326,9 +337,11 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     new_leaves = list(leaves)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            fake = tracer.new_fake(TensorMeta.of(leaf))
+            at_call = call.tensor_at_call(i) if call is not None else None
+            meta, nonleaf = at_call or (TensorMeta.of(leaf), not leaf.is_leaf)
+            fake = tracer.new_fake(meta)
             scope.add_input(names[i], OperandSource("arg", i), fake)
-            new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
+            new_leaves[i] = scope.writable(fake, nonleaf=nonleaf)
         elif isinstance(leaf, str):  # a string argument: an operand while only effects use it
             new_leaves[i] = labels.make((("leaf", i),), raw(leaf), parent=leaf)
         else:
@@ -376,7 +389,7 @@ def _partial_backward(tracer: Tracer, body: RegionBody, call: CallSite, live: tu
     leaves, spec, args, kwargs, ambient_state = call.leaves, call.spec, call.args, call.kwargs, call.ambient
     counts = dict(tracer.region_calls)  # the retrace's region calls are not call sites of the program
     with ambient_state:
-        traced, _ = _trace(tracer, body.region, leaves, spec, args, kwargs, live)
+        traced, _ = _trace(tracer, body.region, leaves, spec, args, kwargs, live, call)
     tracer.region_calls = counts
     assert traced.backward is not None
     where = f"region {body.region.name!r} ({body.identifier}, defined at {definition(body.region.fn)})"
