@@ -352,3 +352,40 @@ def test_golden_programs_run_like_eager():
     assert torch.allclose(x.grad, expected_x_grad)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Shared(nn.Module):
+    """Three blocks sharing one body: block 1 traces it (its parameters get fakes), block 0 is called twice
+    (two call sites pass its parameters), block 2 once, and the root also reads block 2's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[1](x)
+        x = self.blocks[0](self.blocks[0](x))
+        return self.blocks[2](x) + x @ self.blocks[2].lin.weight
+
+
+def test_parameter_gradients_straight_from_their_call_site():
+    """A parameter one call site passes gets its gradient from that site's backward call directly (no
+    round trip through the autograd engine over fakes); shared or otherwise read parameters go through the
+    engine, which sums their gradients as eager does.  Either way the program is eager's."""
+    torch.manual_seed(0)
+    model = _Shared()
+    gb = __import__("effectfx.capture.graph_builder", fromlist=["GraphBuilder"])
+    direct: list[set[str]] = []
+    finish = gb.GraphBuilder.finish
+
+    def spy(self, outputs, class_name):
+        direct.append({n for n, p in model.named_parameters() if id(p) in self.direct_grads})
+        return finish(self, outputs, class_name)
+
+    gb.GraphBuilder.finish = spy
+    try:
+        check_against_eager(model, torch.randn(3, 2, requires_grad=True))
+    finally:
+        gb.GraphBuilder.finish = finish
+    # per capture (each form, and efx.compile): the body's graph, then the root's
+    assert direct and all(d == set() for d in direct[::2]) and all(d == {"blocks.2.lin.bias"} for d in direct[1::2])
