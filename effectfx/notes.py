@@ -85,15 +85,11 @@ only, and effects raised by autograd formulas land in backward graphs, in the en
 
 A call site is cheap by construction, because a capture has one per layer: a body's forward does not
 return the saved values that are its own inputs (the call site hands its operand to the backward call), a
-saved value is only a ``getitem`` node at the call site (every site shares one fake per metadata as its
-``val``, ``Tracer.shared_fake``), the module's parameters it passes are lifted as they are, without fakes
-(``Scope.lift_real``), and a parameter that one call site passes and that never went through a fake in
-that graph gets its gradient from that site's backward call directly: a ``getitem`` node, with no fake and
-no round trip through the autograd engine (the node is the one the engine would have handed over; a
-parameter several sites pass, or an op reads, goes through the engine, which sums its gradients in eager's
-order).  efx.compile simplifies its own capture in place rather than copying it (``passes.simplify``), and a
-graph's first runs are interpreted, its code generated only when it runs again (``effectfx.steps``): a root
-graph with a line per call site costs more to compile than to interpret a few times.
+saved value is only a ``getitem`` node at the call site (every site shares one fake per saved slot as its
+metadata), the module's parameters it passes are lifted as they are, without fakes (``Scope.lift_real``),
+efx.compile simplifies its own capture in place rather than copying it (``passes.simplify``), and a graph's
+first runs are interpreted, its code generated only when it runs again (``effectfx.steps``): a root graph
+with a line per call site costs more to compile than to interpret a few times.
 
 Note [Partial backward]
 ~~~~~~~~~~~~~~~~~~~~~~~

@@ -67,13 +67,6 @@ class GraphBuilder:
         self.holder = torch.nn.Module()
         self._placeholders_end: fx.Node | None = None
         self._input_names: set[str] = set()
-        # real tensors (parameters) passed to region call sites, and how many sites pass each; those this
-        # graph took through their fake (an op read one, or a body's trace had made its fake); and the
-        # gradient node of each one that exactly one site passes and that never went through a fake, which
-        # its call site's backward hands over directly (RegionCall.backward)
-        self.operand_uses: dict[int, int] = {}
-        self.through_fakes: set[int] = set()
-        self.direct_grads: dict[int, fx.Node] = {}
 
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         self.values[id(tensor)] = node

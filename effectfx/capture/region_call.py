@@ -12,6 +12,7 @@ import inspect
 import operator
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,16 @@ class RegionBody:
     key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations
     trace_seconds: float = 0.0
     partial: dict[tuple[bool, ...], PartialBackward] = field(default_factory=dict)  # by outputs with grads
+    _saved_values: list[torch.Tensor] | None = None
+
+    def saved_values(self, tracer: Tracer) -> list[torch.Tensor]:
+        """Fakes with the metadata of the saved values the forward returns, shared by every call site's
+        saved nodes."""
+        if self._saved_values is None:
+            metas = self.traced.saved_meta
+            self._saved_values = [tracer.new_fake(metas[k], requires_grad=False)
+                                  for k in self.traced.returned_saved]
+        return self._saved_values
 
     @property
     def backward_attr(self) -> str:
@@ -137,12 +148,14 @@ def operand_node(tracer: Tracer, value: Any) -> Any:
     return builder.node_of(tracer.to_fake(value))
 
 
-def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr: str, operands: list[Any],
-                metas: list[TensorMeta | None], shared: dict[int, torch.Tensor] | None = None) -> list[Any]:
+def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr: str,
+                operands: list[Any], metas: list[TensorMeta | None], hidden: Sequence[torch.Tensor] = ()
+                ) -> list[Any]:
     """Emit ``invoke_subgraph`` in the current graph and return fresh fakes for its results.  Operands may
-    be nodes of this graph already.  The results at ``shared``'s positions are returned as ``getitem`` nodes
-    only: values no user code sees (a body's saved values, a parameter's gradient) need no fake of their
-    own, and every call site shares ``shared``'s as their nodes' metadata."""
+    be nodes of this graph already.  The last ``len(hidden)`` results are returned as ``getitem`` nodes
+    only: values no user code sees (a body's saved values) need no fake of their own, and every call site
+    shares ``hidden``'s as their nodes' metadata."""
+    n_tensors = len(metas) - len(hidden)
     builder = tracer.builder
     labels = getattr(builder, "labels", None)
     nodes = [v if type(v) is fx.Node else labels.node_for(v) if labels is not None and isinstance(v, str)
@@ -152,9 +165,9 @@ def emit_invoke(tracer: Tracer, subgraph: fx.GraphModule, identifier: str, attr:
     for i, meta in enumerate(metas):
         if meta is None:
             results.append(None)
-        elif shared is not None and i in shared:
+        elif i >= n_tensors:
             item = builder.call(operator.getitem, (call, i))
-            item.meta["val"] = shared[i]
+            item.meta["val"] = hidden[i - n_tensors]
             results.append(item)
         else:
             fake = tracer.new_fake(meta, requires_grad=False)
@@ -190,18 +203,9 @@ class RegionCall(torch.autograd.Function):
                 *operands: Any) -> tuple:
         traced = body.traced
         returned = traced.returned_saved
-        n_outs = len(traced.out_meta)
-        saved_meta = [traced.saved_meta[k] for k in returned]
         results = emit_invoke(tracer, traced.forward, body.identifier, body.attr, list(operands),
-                              [*traced.out_meta, *saved_meta],
-                              {n_outs + i: tracer.shared_fake(meta) for i, meta in enumerate(saved_meta)})
-        # the parameters this site passes: one no other site passes and no op reads gets its gradient
-        # from this site's backward directly, not through the engine (Note [Joint trace])
-        uses = tracer.builder.operand_uses
-        ctx.params = [(j, v) for j, v in enumerate(operands)
-                      if isinstance(v, torch.Tensor) and v.requires_grad and not isinstance(v, FakeTensor)]
-        for _, v in ctx.params:
-            uses[id(v)] = uses.get(id(v), 0) + 1
+                              [*traced.out_meta, *[traced.saved_meta[k] for k in returned]],
+                              body.saved_values(tracer))
         outs = results[: traced.n_outs]
         # the backward reads the saved values the body returned, and the operands it saved as they are
         saved = iter(results[traced.n_outs:])
@@ -226,23 +230,14 @@ class RegionCall(torch.autograd.Function):
                 f"at {user_location()}; take the gradient in the code that calls the region."
             )
         assert traced.backward is not None
-        builder = ctx.tracer.builder
-        position = {j: r for r, j in enumerate(j for j, m in enumerate(traced.grad_mask) if m)}
-        direct = {position[j]: v for j, v in ctx.params if builder.operand_uses.get(id(v)) == 1
-                  and id(v) not in builder.through_fakes and j in position}
         if all(live):
-            graph, attr, metas = traced.backward, body.backward_attr, traced.grad_meta
-            operands = [*ctx.saved, *tangents]
+            results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
+                                  [*ctx.saved, *tangents], traced.grad_meta)
         else:
             part = _partial_backward(ctx.tracer, body, ctx.call, live)
-            graph, attr, metas = part.backward, part.attr, part.grad_meta
             operands = [*[ctx.saved[i] for i in part.saved], *[g for g in tangents if g is not None]]
-        shared = {r: ctx.tracer.shared_fake(metas[r]) for r in direct if metas[r] is not None}
-        results = emit_invoke(ctx.tracer, graph, body.identifier, attr, operands, metas, shared)
-        for r, v in direct.items():
-            if results[r] is not None:
-                builder.direct_grads[id(v)] = results[r]
-                results[r] = None  # the engine has nothing to pass on
+            results = emit_invoke(ctx.tracer, part.backward, body.identifier, part.attr, operands,
+                                  part.grad_meta)
         it = iter(results)
         return (None, None, None, *[next(it) if m else None for m in traced.grad_mask])
 

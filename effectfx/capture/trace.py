@@ -119,8 +119,6 @@ class Scope:
 
     def lift(self, fake: torch.Tensor) -> fx.Node:
         real = self.tracer.real_of.get(id(fake))
-        if real is not None:
-            self.builder.through_fakes.add(id(real))
         if real is None:
             if self.region is None:
                 raise CaptureError(
@@ -269,12 +267,8 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         covered_by = _covered_by(diff_outs) if root else ()
         n_inputs = len(scope.values)
         wrt = [v for v in scope.values if isinstance(v, torch.Tensor) and v.requires_grad]
-        grads = list(torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True)) if wrt else []
-        # a parameter only one region call site reads got its gradient from that call, not the engine
-        # (RegionCall.backward): the same node, with the metadata every such node shares
-        direct = [builder.direct_grads.get(id(v)) if g is None else None for g, v in zip(grads, wrt)]
-        grad_nodes = [d if g is None else builder.node_of(tracer.to_fake(g)) for g, d in zip(grads, direct)]
-        grads = [g if d is None else d.meta["val"] for g, d in zip(grads, direct)]
+        grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
+        grad_nodes = [builder.node_of(tracer.to_fake(g)) if g is not None else None for g in grads]
         joint = builder.finish((*out_nodes, *grad_nodes), class_name)
         n_labels = len(scope.values)
         scope.finish_labels(joint.graph, layout)

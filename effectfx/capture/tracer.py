@@ -100,7 +100,6 @@ class Tracer(TorchDispatchMode):
         self.region_stack: list[Any] = []
         self.real_of: dict[int, torch.Tensor] = {}  # id(fake) -> real tensor it stands for
         self.fake_of: dict[int, torch.Tensor] = {}  # id(real) -> its fake
-        self._shared_fakes: dict[TensorMeta, torch.Tensor] = {}
         self.keepalive: list[torch.Tensor] = []
         self.recording = True
         self.base_of: dict[int, torch.Tensor] = {}  # id(view) -> the intermediate it aliases
@@ -154,13 +153,6 @@ class Tracer(TorchDispatchMode):
         if make is None:
             make = self._fake_makers[meta.device] = _fake_maker(self.fake_mode, meta.device)
         return make(storage, meta.requires_grad if requires_grad is None else requires_grad)
-
-    def shared_fake(self, meta: TensorMeta) -> torch.Tensor:
-        """One fake per metadata, the ``val`` of nodes no user code sees (no value is bound to it)."""
-        fake = self._shared_fakes.get(meta)
-        if fake is None:
-            fake = self._shared_fakes[meta] = self.new_fake(meta, requires_grad=False)
-        return fake
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
