@@ -352,3 +352,22 @@ def test_golden_programs_run_like_eager():
     assert torch.allclose(x.grad, expected_x_grad)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class _GradInside(nn.Module):
+    """Two blocks sharing one body, and a gradient the captured code takes itself, before the program's
+    own backward: the backward calls it makes belong to that gradient only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b0, self.b1 = Block(), Block()
+
+    def forward(self, x):
+        y = self.b1(self.b0(x))
+        (gx,) = torch.autograd.grad(y.sum(), [x])
+        return gx + x
+
+
+def test_a_gradient_the_captured_code_takes_itself():
+    torch.manual_seed(0)
+    check_against_eager(_GradInside(), torch.randn(3, 2, requires_grad=True))
