@@ -13,12 +13,14 @@ from __future__ import annotations
 import copy
 import operator
 
+import pytest
 import torch
 from torch import nn
 
 import effectfx as efx
 from effectfx import ops
 from effectfx.effects import effect_of
+from effectfx.errors import CaptureError
 from effectfx.testing import check_against_eager, recording
 
 R = torch.ops.efxtest
@@ -358,16 +360,39 @@ class _GradInside(nn.Module):
     """Two blocks sharing one body, and a gradient the captured code takes itself, before the program's
     own backward: the backward calls it makes belong to that gradient only."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         super().__init__()
         self.b0, self.b1 = Block(), Block()
+        self.keep = keep
 
     def forward(self, x):
         y = self.b1(self.b0(x))
-        (gx,) = torch.autograd.grad(y.sum(), [x])
-        return gx + x
+        if not self.keep:
+            (gx,) = torch.autograd.grad(y.sum(), [x])
+            return gx + x
+        # the program's own backward later goes through the same call sites: it fetches the backward
+        # subgraph the forward fetched for this gradient, rather than saving the attribute (was a KeyError)
+        (gx,) = torch.autograd.grad(y.sum(), [x], retain_graph=True)
+        return gx.detach() + y
 
 
-def test_a_gradient_the_captured_code_takes_itself():
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_gradient_the_captured_code_takes_itself(keep: bool):
     torch.manual_seed(0)
-    check_against_eager(_GradInside(), torch.randn(3, 2, requires_grad=True))
+    check_against_eager(_GradInside(keep), torch.randn(3, 2, requires_grad=True))
+
+
+@efx.region
+def _smooth(x):
+    return torch.tanh(x) * x
+
+
+def test_a_gradient_of_a_region_gradient_is_refused():
+    """create_graph=True through a region (a gradient penalty): the region's backward is not differentiated,
+    so the second derivative would be silently lost; the capture refuses, naming the region and the line."""
+    def penalty(x):
+        (gx,) = torch.autograd.grad(_smooth(x).sum(), [x], create_graph=True)
+        return gx.pow(2).sum()
+
+    with pytest.raises(CaptureError, match=r"differentiates the gradient of region '_smooth'.*test_golden_training.py"):
+        efx.capture(penalty, torch.randn(5, requires_grad=True))

@@ -84,8 +84,11 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
 
     effectful = _effectful_nodes(nodes[:-1])
     live_bwd = _live([g for g in grads if g is not None] + [n for n in effectful if n in backward], backward)
-    saved_set = {i for n in live_bwd for i in n._input_nodes if i in forward}
-    saved = [n for n in nodes if n in saved_set]
+    read = {i for n in live_bwd for i in n._input_nodes if i in forward}
+    # a module attribute (a subgraph, a constant) a backward node reads is fetched again by the backward
+    # graph, not saved: a gradient the captured code takes itself makes the forward fetch a backward subgraph
+    attrs = {i for i in read if i.op == "get_attr"}
+    saved = [n for n in nodes if n in read and n not in attrs]
     live_fwd = _live(outs + saved + [n for n in effectful if n in forward], forward)
 
     bwd_graph = Graph()
@@ -96,7 +99,7 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
         ph.meta["phase"] = "backward"
         benv[node] = ph
     tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
-    _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents], benv)
+    _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents or n in attrs], benv)
     bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
     bwd = graph_module(joint, bwd_graph, "Backward")
 

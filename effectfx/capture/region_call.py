@@ -230,6 +230,14 @@ class RegionCall(torch.autograd.Function):
                 f"at {user_location()}; take the gradient in the code that calls the region."
             )
         assert traced.backward is not None
+        if torch.is_grad_enabled():  # create_graph=True: the gradient itself would need a gradient
+            raise CaptureError(
+                f"the captured code differentiates the gradient of region {body.region.name!r} "
+                f"({body.identifier}, defined at {definition(body.region.fn)}) at {user_location()} "
+                "(torch.autograd.grad(..., create_graph=True), a gradient penalty?); effectfx does not "
+                "differentiate a region's backward. Take that gradient outside the captured function, or "
+                "call the region's code without @effectfx.region there."
+            )
         if all(live):
             results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
                                   [*ctx.saved, *tangents], traced.grad_meta)
