@@ -55,8 +55,10 @@ class Steps:
         constants: dict[Any, int] = {}
 
         def constant(value: Any) -> int:
-            plain = value is None or type(value) in (int, str, bool, float)
-            key = (type(value), value) if plain else id(value)
+            kind = type(value)
+            plain = value is None or kind in (int, str, bool, float)
+            # by value (0.0 and -0.0 are equal and hash alike: floats by their text)
+            key = (kind, repr(value) if kind is float else value) if plain else id(value)
             slot = constants.get(key)
             if slot is None:
                 slot = constants[key] = len(initial)

@@ -162,6 +162,18 @@ def test_compiled_stack_is_eager_equal_in_every_tier() -> None:
     assert _runs_code(program.forward.graph_module) and _runs_code(program.backward.graph_module)
 
 
+def test_constants_equal_as_python_values_stay_apart() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(tuple(g.call_function(aten.mul.Tensor, (x, c)) for c in (0.0, -0.0, 1, True, 1.0)))
+    steps = steps_for(g, direct=True)
+    assert steps is not None
+    x = torch.tensor([-1.0, 2.0])
+    expected = fx.GraphModule(torch.nn.Module(), g)(x)
+    got = steps(torch.nn.Module(), (x,))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and str(a) == str(b) for a, b in zip(got, expected))
+
+
 def test_getitem_of_a_tuple_output() -> None:
     g = fx.Graph()
     x = g.placeholder("x")
