@@ -23,6 +23,7 @@ from __future__ import annotations
 import keyword
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,6 +128,20 @@ def items_taken(node: fx.Node) -> list[tuple[int, fx.Node]] | None:
     return items or None
 
 
+def release_points(nodes: list[fx.Node], index: dict[fx.Node, int], skip: Callable[[fx.Node], bool]
+                   ) -> dict[fx.Node, list[fx.Node]]:
+    """Computed values (neither inputs nor attributes, and not ``skip``) by the node after which they are
+    dead: their last user, or themselves when nothing reads them.  What the output returns stays."""
+    released: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr", "output") or skip(node):
+            continue
+        last = max(node.users, key=index.__getitem__) if node.users else node
+        if last.op != "output":
+            released.setdefault(last, []).append(node)
+    return released
+
+
 def runtime_code(graph: fx.Graph, direct: bool) -> PythonCode | None:
     """Lean Python for ``graph`` (see the module docstring), or None to use FX's generator."""
     try:
@@ -153,12 +168,8 @@ def _generate(graph: fx.Graph, direct: bool) -> PythonCode:
                 folded.update((user, node) for _, user in items)
     # each computed value is released after the line of its last user (never its own folded items);
     # inputs and attributes are not: the caller and the module hold them anyway
-    released: dict[fx.Node, list[str]] = {}
-    for node in nodes:
-        if node.users and node not in unpacked and node.op not in ("placeholder", "get_attr"):
-            last = max(node.users, key=index.__getitem__)
-            if last.op != "output":
-                released.setdefault(last, []).append(node.name)
+    released = {last: [n.name for n in dead] for last, dead in release_points(
+        nodes, index, lambda n: n in unpacked or not n.users).items()}
 
     params: list[str] = []
     body: list[str] = []

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from .codegen import items_taken
+from .codegen import items_taken, release_points
 
 INTERPRETED_RUNS = 2  # runs of a graph before its code is generated
 
@@ -130,15 +130,9 @@ class Steps:
         self._output_node = node
         self._names = {slot: n.name for n, slot in slots.items()}
         self.initial = initial
-        # each computed value is released after its last reader, as the code does (inputs and attributes
-        # stay); one nothing reads, at once
-        last_use: dict[int, list[int]] = {}
-        for node in step_of:
-            if node.op == "get_attr" or node not in slots:
-                continue
-            last = max(node.users, key=index.__getitem__) if node.users else node
-            if last.op != "output":
-                last_use.setdefault(step_of[last], []).append(slots[node])
+        # each computed value is released after its last reader, as the code does; one nothing reads, at once
+        last_use = {step_of[last]: [slots[n] for n in dead] for last, dead in release_points(
+            nodes, index, lambda n: n not in slots).items()}
         self.release = [tuple(last_use.get(i, ())) for i in range(len(self.steps))]
 
     def describe(self) -> str:

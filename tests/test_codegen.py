@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 from effectfx.codegen import runtime_code
 from effectfx.graphs import Graph, graph_module
-from effectfx.testing.graphs import random_graphs, sample_graph
+from effectfx.testing.graphs import sample_graph
 
 aten = torch.ops.aten
 
@@ -53,20 +53,6 @@ def test_graphs_it_cannot_write_go_to_fx() -> None:
     assert "self.lin(x)" in gm.code
     x = torch.randn(1, 2)
     assert torch.equal(gm(x), root.lin(x))
-
-
-@given(random_graphs(), st.booleans())
-@settings(max_examples=60, deadline=None)
-def test_random_graphs_compute_what_fx_computes(case: tuple[fx.Graph, int], direct: bool) -> None:
-    graph, n_inputs = case
-    code = runtime_code(graph, direct)
-    assert code is not None
-    namespace = dict(code.globals)
-    exec(compile(code.src, "<lean>", "exec"), namespace)  # noqa: S102
-    inputs = [torch.randn(3) for _ in range(n_inputs)]
-    expected = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
-    got = namespace["forward"](None, *inputs)
-    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_slices_constants_and_a_parameter_named_self() -> None:

@@ -16,6 +16,7 @@ import torch.fx as fx
 from hypothesis import given, settings
 
 import effectfx as efx
+from effectfx.codegen import runtime_code
 from effectfx.graphs import GraphModule, graph_module
 from effectfx.steps import INTERPRETED_RUNS, steps_for
 from effectfx.testing.effect_ops import recording
@@ -89,14 +90,17 @@ def test_copies_and_pickles_of_an_interpreted_module() -> None:
 
 @given(random_graphs(), st.booleans())
 @settings(max_examples=60, deadline=None)
-def test_random_graphs_interpret_as_fx_computes(case: tuple[fx.Graph, int], direct: bool) -> None:
+def test_random_graphs_run_as_fx_computes_in_both_tiers(case: tuple[fx.Graph, int], direct: bool) -> None:
+    """The steps and the lean code (effectfx.codegen) each compute what FX's own code computes."""
     graph, n_inputs = case
-    steps = steps_for(graph, direct)
-    assert steps is not None
+    steps, code = steps_for(graph, direct), runtime_code(graph, direct)
+    assert steps is not None and code is not None
+    namespace = dict(code.globals)
+    exec(compile(code.src, "<lean>", "exec"), namespace)  # noqa: S102
     inputs = [torch.randn(3) for _ in range(n_inputs)]
     expected = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
-    got = steps(torch.nn.Module(), tuple(inputs))
-    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    for got in (steps(torch.nn.Module(), tuple(inputs)), namespace["forward"](None, *inputs)):
+        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 _SEEN: list[weakref.ref] = []

@@ -104,6 +104,11 @@ def call_key(leaves: Sequence[Any], spec: Any, labels: bool = True,
     return (ambient(), spec, *[leaf_key(v, labels, get(i)) for i, v in enumerate(leaves)])
 
 
+def leaf_of_key(key: tuple, i: int) -> Any:
+    """What :func:`call_key` holds for leaf ``i`` (a tensor's: its TensorMeta at the call)."""
+    return key[2 + i]
+
+
 def key_labels(names: Sequence[str]) -> tuple[str, ...]:
     """Human names for the parts of :func:`call_key`, in the same order."""
     return ("ambient", "argument structure", *names)

@@ -31,6 +31,7 @@ from .identity import (
     code_reads,
     guards_hold,
     key_labels,
+    leaf_of_key,
     module_tensors,
     resolve,
 )
@@ -192,7 +193,7 @@ class CallSite:
 
     def tensor_at_call(self, i: int) -> tuple[TensorMeta, bool]:
         """Leaf ``i``'s metadata and whether it had a history, when the call was made."""
-        return self.key[2 + i], self.nonleaf[i]
+        return leaf_of_key(self.key, i), self.nonleaf[i]
 
 
 class RegionCall(torch.autograd.Function):
