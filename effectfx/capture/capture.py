@@ -100,7 +100,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
 
     bodies = tuple(
         BodyInfo(b.identifier, b.region.name, b.key, b.key_labels, b.trace_seconds,
-                 tracer.region_calls.get(b.identifier, 0), b.guards)
+                 tracer.region_calls.get(b.identifier, 0), b.guards, tracer.unpromotable.get(b.region.fn, ""))
         for b in sorted(tracer.bodies.values(), key=lambda b: int(b.identifier.rsplit("_", 1)[1]))
     )
     _refuse_written_views(traced, leaves, names)

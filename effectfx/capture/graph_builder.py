@@ -40,7 +40,7 @@ def _any_opaque(values: Any) -> bool:
     return False
 
 
-def _node_name(target: Any) -> str | None:
+def node_name(target: Any) -> str | None:
     # name aten nodes after the op ("add", "record_memory"), as the seed's graphs read
     if isinstance(target, torch._ops.OpOverload):
         return target._opname
@@ -122,7 +122,7 @@ class GraphBuilder:
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         if _any_opaque(args) or (kwargs and _any_opaque(kwargs.values())):
             args, kwargs = fx.node.map_aggregate((args, kwargs), self._constant_or_literal)
-        node = self.graph.create_node("call_function", target, args, kwargs or {}, name=_node_name(target))
+        node = self.graph.create_node("call_function", target, args, kwargs or {}, name=node_name(target))
         node.meta["phase"] = self.phase
         return node
 

@@ -13,6 +13,8 @@ guards then holding that value.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,13 @@ from .reads import Label, Path, Reads, raw
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _SENTINEL = "\x00efx-label-"
+# a tensor's autograd state as Python code sees it: what a body reading it may decide on
+_GRAD_STATE = frozenset(getattr(torch.Tensor, name) for name in ("requires_grad", "is_leaf", "grad_fn",
+                                                                 "grad", "retains_grad"))
+_GETTER = type(torch.Tensor.requires_grad.__get__)  # what a torch-function mode sees for a property read
+# reads from these folders are effectfx's and autograd's own bookkeeping, not the traced code's
+_NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+             os.path.dirname(os.path.abspath(torch.autograd.__file__)) + os.sep)
 _COUNTER = itertools.count()
 
 
@@ -97,16 +106,26 @@ def _has_label(values: Any) -> bool:
     return False
 
 
+def _ours(frame: Any) -> bool:
+    return frame.f_code.co_filename.startswith(_NOT_USER)
+
+
 class LabelMode(TorchFunctionMode):
     """Sees torch calls before their arguments become C++ values: labels passed to an effectful op become
-    sentinels (recorded as the body's operand); labels passed anywhere else count as used."""
+    sentinels (recorded as the body's operand); labels passed anywhere else count as used.  It also counts
+    the traced code's reads of a tensor's autograd state (``x.requires_grad``, ``x.grad_fn``...): a body
+    traced with an argument promoted to require grad must not have decided anything on it (Note [Region
+    identity])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sentinels: dict[str, Label] = {}
+        self.grad_state_reads = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if type(func) is _GETTER and func.__self__ in _GRAD_STATE and not _ours(sys._getframe(1)):
+            self.grad_state_reads += 1
         if _has_label(args) or _has_label(kwargs.values()):
             effectful = isinstance(func, _OPS) and effect_of(func) is not None
             args, kwargs = _map(lambda v: self._swap(v, effectful), (args, kwargs))

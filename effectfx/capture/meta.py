@@ -86,6 +86,10 @@ class TracedGraph:
     mutated: tuple[int, ...] = ()
     # per differentiable output: the others whose backward reaches its own (Note [Partial backward])
     covered_by: tuple[frozenset[int], ...] = ()
+    # a body's, per tensor output: the inputs its autograd graph reaches; and whether that graph holds an
+    # autograd.Function of the code's own (Note [Region identity], promotion)
+    out_deps: tuple[frozenset[int], ...] = ()
+    custom_autograd: bool = True
 
     @property
     def n_outs(self) -> int:

@@ -22,8 +22,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_leaf, tree_unflatten
 
 from .. import ops
-from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError
+from ..errors import CaptureError, EffectfxError, RegionRecursionError, UnsupportedMutationError
+from ..graphs import Graph, graph_module
+from ..passes.dce import is_effectful
 from ..regions import Region
+from .graph_builder import node_name
 from .identity import (
     ModuleWalk,
     ambient_context,
@@ -33,6 +36,7 @@ from .identity import (
     key_labels,
     leaf_of_key,
     module_tensors,
+    promoted_key,
     resolve,
 )
 from .meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
@@ -66,6 +70,8 @@ class RegionBody:
     key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations
     trace_seconds: float = 0.0
     partial: dict[tuple[bool, ...], PartialBackward] = field(default_factory=dict)  # by outputs with grads
+    # a backward without the gradients of promoted operands: (its attr, which it keeps) -> (module, metas)
+    restricted: dict[tuple[str, tuple[bool, ...]], tuple[fx.GraphModule, list]] = field(default_factory=dict)
     _saved_values: list[torch.Tensor] | None = None
 
     def saved_values(self, tracer: Tracer) -> list[torch.Tensor]:
@@ -183,12 +189,13 @@ class CallSite:
     since (a body updating its argument), which made it require grad and gave it a history.  One object,
     not a tuple: ``Function.apply`` walks its arguments with pytree, and this is a leaf."""
 
-    __slots__ = ("leaves", "spec", "args", "kwargs", "ambient", "key", "nonleaf")
+    __slots__ = ("leaves", "spec", "args", "kwargs", "ambient", "key", "nonleaf", "promoted")
 
-    def __init__(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict, ambient: Any, key: tuple
-                 ) -> None:
+    def __init__(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict, ambient: Any, key: tuple,
+                 promoted: bool = False) -> None:
         self.leaves, self.spec, self.args, self.kwargs, self.ambient = leaves, spec, args, kwargs, ambient
-        self.key = key  # identity.call_key: each tensor's metadata at the call
+        self.key = key  # identity.call_key: each tensor's metadata at the call (as the body was keyed)
+        self.promoted = promoted  # the body was keyed with arguments promoted to require grad
         self.nonleaf = [isinstance(leaf, torch.Tensor) and not leaf.is_leaf for leaf in leaves]
 
     def tensor_at_call(self, i: int) -> tuple[TensorMeta, bool]:
@@ -198,6 +205,8 @@ class CallSite:
 
 class RegionCall(torch.autograd.Function):
     """A region call under autograd: forward emits the forward body, backward the backward body."""
+
+    efx_region_call = True  # its nodes in a body's autograd graph are not the code's own Functions
 
     @staticmethod
     def forward(ctx: Any, tracer: Tracer, body: RegionBody, call: CallSite,  # type: ignore[override]
@@ -214,7 +223,11 @@ class RegionCall(torch.autograd.Function):
                      for j in traced.saved_inputs]
         ctx.tracer, ctx.body = tracer, body
         ctx.call = call
-        ctx.mark_non_differentiable(*[o for o, m in zip(outs, traced.tangent_mask) if not m])
+        differentiable = traced.tangent_mask
+        if call.promoted:  # an output reaching only promoted operands does not require grad, as in eager
+            differentiable = tuple(m and any(_requires_grad(operands[j]) for j in deps)
+                                   for m, deps in zip(differentiable, traced.out_deps))
+        ctx.mark_non_differentiable(*[o for o, m in zip(outs, differentiable) if not m])
         ctx.set_materialize_grads(False)  # an output nothing used gets no gradient: Note [Partial backward]
         return tuple(outs)
 
@@ -240,13 +253,18 @@ class RegionCall(torch.autograd.Function):
                 "call the region's code without @effectfx.region there."
             )
         if all(live):
-            results = emit_invoke(ctx.tracer, traced.backward, body.identifier, body.backward_attr,
-                                  [*ctx.saved, *tangents], traced.grad_meta)
+            backward, attr, grad_meta = traced.backward, body.backward_attr, traced.grad_meta
+            operands = [*ctx.saved, *tangents]
         else:
             part = _partial_backward(ctx.tracer, body, ctx.call, live)
+            backward, attr, grad_meta = part.backward, part.attr, part.grad_meta
             operands = [*[ctx.saved[i] for i in part.saved], *[g for g in tangents if g is not None]]
-            results = emit_invoke(ctx.tracer, part.backward, body.identifier, part.attr, operands,
-                                  part.grad_meta)
+        needs = ctx.needs_input_grad[3:]
+        keep = tuple(need for need, m in zip(needs, traced.grad_mask) if m)
+        if ctx.call.promoted and not all(keep):  # their gradients are not computed (Note [Region identity])
+            backward, grad_meta = _restricted(body, backward, attr, grad_meta, keep)
+            attr += "_skip" + "_".join(str(j) for j, m in enumerate(traced.grad_mask) if m and not needs[j])
+        results = emit_invoke(ctx.tracer, backward, body.identifier, attr, operands, grad_meta)
         it = iter(results)
         return (None, None, None, *[next(it) if m else None for m in traced.grad_mask])
 
@@ -260,13 +278,22 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             "from the recursive function."
         )
     leaves, spec = flatten_call(args, kwargs)
+    for leaf in leaves:  # what checking this site's guards reads, its caller depends on: watch it
+        if not isinstance(leaf, torch.Tensor):
+            tracer.watcher.watch(leaf)
     walks = {i: ModuleWalk(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
     key = call_key(leaves, spec, walks=walks)
-    # Note [Region identity]: the first body with this key whose guards hold on these arguments
-    body = next((b for b in tracer.candidates.get((region.fn, key), ())
-                 if guards_hold(b.guards, leaves)), None)
+    body, promoted = _find(tracer, region, key, leaves), False
     if body is None:
-        body = _trace_body(tracer, region, key, leaves, spec, args, kwargs)
+        # Note [Region identity], promotion: arguments without grad share the body of those with it
+        pkey = promoted_key(key, leaves)
+        if pkey is not None and region.fn not in tracer.unpromotable:
+            body = _find(tracer, region, pkey, leaves) or _trace_body(
+                tracer, region, pkey, leaves, spec, args, kwargs, promoted=True)
+            if body is not None:
+                key, promoted = pkey, True
+        if body is None:
+            body = _trace_body(tracer, region, key, leaves, spec, args, kwargs)
     tracer.region_calls[body.identifier] = tracer.region_calls.get(body.identifier, 0) + 1
     traced = body.traced
     operands: list[Any] = []
@@ -280,7 +307,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         else:
             operands.append(src.tensor)
     if traced.backward is not None:
-        call = CallSite(leaves, spec, args, kwargs, ambient_context(), key)
+        call = CallSite(leaves, spec, args, kwargs, ambient_context(), key, promoted)
         outs = list(RegionCall.apply(tracer, body, call, *operands))
     else:
         outs = emit_invoke(tracer, traced.forward, body.identifier, body.attr, operands, traced.out_meta)
@@ -292,6 +319,16 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         outs[k] = operands[j]
     out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
     return out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
+
+
+def _find(tracer: Tracer, region: Region, key: tuple, leaves: list[Any]) -> RegionBody | None:
+    """Note [Region identity]: the first body with this key whose guards hold on these arguments."""
+    found = tracer.candidates.get((region.fn, key), ())
+    return next((b for b in found if guards_hold(b.guards, leaves)), None)
+
+
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operands: list[Any],
@@ -329,10 +366,10 @@ def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operand
 
 
 def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tuple, kwargs: dict,
-           grad_outputs: tuple[bool, ...] | None = None, call: CallSite | None = None
-           ) -> tuple[TracedGraph, tuple]:
-    """Trace ``region``'s body on fakes of ``leaves`` (as they were at ``call``, when retraced for it):
-    its graph(s) and its guards."""
+           grad_outputs: tuple[bool, ...] | None = None, call: CallSite | None = None,
+           key: tuple | None = None) -> tuple[TracedGraph, tuple]:
+    """Trace ``region``'s body on fakes of ``leaves`` (as they were at ``call``, when retraced for it; with
+    the metadata ``key`` holds, when promoted): its graph(s) and its guards."""
     module_params: dict[int, tuple[int, str]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.nn.Module):
@@ -346,8 +383,11 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     new_leaves = list(leaves)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            at_call = call.tensor_at_call(i) if call is not None else None
-            meta, nonleaf = at_call or (TensorMeta.of(leaf), not leaf.is_leaf)
+            if call is not None:
+                meta, nonleaf = call.tensor_at_call(i)
+            else:
+                meta = leaf_of_key(key, i) if key is not None else TensorMeta.of(leaf)
+                nonleaf = not leaf.is_leaf
             fake = tracer.new_fake(meta)
             scope.add_input(names[i], OperandSource("arg", i), fake)
             new_leaves[i] = scope.writable(fake, nonleaf=nonleaf)
@@ -373,10 +413,28 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
 
 
 def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,
-                args: tuple, kwargs: dict) -> RegionBody:
+                args: tuple, kwargs: dict, promoted: bool = False) -> RegionBody:
+    """A new body for ``key``; with ``promoted``, the body of a key some arguments were promoted in, or
+    None when the trace shows it cannot serve them (the region cache is then as it was before)."""
+    state = tracer.region_state() if promoted else None
+    reads = tracer.label_mode.grad_state_reads
     identifier = tracer.next_identifier()
     start = time.perf_counter()
-    traced, guards = _trace(tracer, region, leaves, spec, args, kwargs)
+    traced: TracedGraph | None = None
+    try:
+        traced, guards = _trace(tracer, region, leaves, spec, args, kwargs, key=key if promoted else None)
+    except (EffectfxError, RuntimeError) as exc:
+        if not promoted:
+            raise
+        why: str | None = f"its trace failed ({type(exc).__name__})"  # an exact trace says why, if it must
+    if promoted:
+        if traced is not None:
+            why = _unpromotable(traced, tracer.label_mode.grad_state_reads - reads)
+        if why is not None:
+            tracer.restore_region_state(state)
+            tracer.unpromotable[region.fn] = why
+            return None  # type: ignore[return-value]
+    assert traced is not None
     body = RegionBody(identifier, region, key, guards, traced, "",
                       key_labels(leaf_names(region.fn, args, kwargs)), time.perf_counter() - start)
     traced.forward.meta["effectfx_region"] = (region, body.cache_key, identifier, "forward")
@@ -387,6 +445,53 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     tracer.candidates.setdefault((region.fn, key), []).append(body)
     tracer.trace_counts[identifier] = tracer.trace_counts.get(identifier, 0) + 1
     return body
+
+
+def _unpromotable(traced: TracedGraph, grad_state_reads: int) -> str | None:
+    """Why a body traced with promoted arguments would not be eager's for a call that passes them without
+    grad (Note [Region identity]), or None."""
+    if traced.mutated:
+        return "it updates an operand in place"
+    if grad_state_reads:
+        return "its code reads a tensor's autograd state (requires_grad, grad_fn, is_leaf or grad)"
+    if traced.backward is None:
+        return None
+    if traced.custom_autograd:
+        return "it calls a torch.autograd.Function"
+    if any(is_effectful(n) for n in traced.backward.graph.nodes if n.op == "call_function"):
+        return "its backward has effects, which eager runs only for the gradients it needs"
+    return None
+
+
+def _restricted(body: RegionBody, backward: fx.GraphModule, attr: str, grad_meta: list,
+                keep: tuple[bool, ...]) -> tuple[fx.GraphModule, list]:
+    """``backward`` returning only the gradients in ``keep`` (None for the others): the gradients of
+    operands a call site promoted are not computed (Note [Region identity]).  Made once per backward."""
+    found = body.restricted.get((attr, keep))
+    if found is None:
+        nodes = list(backward.graph.nodes)
+        outs = [o if k else None for o, k in zip(nodes[-1].args[0], keep)]
+        live: set[fx.Node] = set()  # what the gradients kept read, and every effect (there should be none)
+        stack = [o for o in outs if o is not None] + [n for n in nodes[:-1] if n.op == "call_function"
+                                                       and is_effectful(n)]
+        while stack:
+            node = stack.pop()
+            if node not in live:
+                live.add(node)
+                stack.extend(node.all_input_nodes)
+        # the live nodes, named afresh: the graph reads as if traced without those gradients
+        graph, env = Graph(), {}
+        for node in nodes[:-1]:
+            if node.op == "placeholder" or node in live:
+                args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+                name = node.name if node.op in ("placeholder", "get_attr") else node_name(node.target)
+                env[node] = graph.create_node(node.op, node.target, args, kwargs, name, node.type)
+                env[node].meta.update(node.meta)
+        graph.output(tuple(env[o] if o is not None else None for o in outs))
+        module = graph_module(backward, graph, "Backward")
+        module.meta.update(backward.meta)
+        found = body.restricted[(attr, keep)] = (module, [m if k else None for m, k in zip(grad_meta, keep)])
+    return found
 
 
 def _partial_backward(tracer: Tracer, body: RegionBody, call: CallSite, live: tuple[bool, ...]

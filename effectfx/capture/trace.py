@@ -203,6 +203,37 @@ def _covered_by(outs: list[torch.Tensor]) -> tuple[frozenset[int], ...]:
                            and out.grad_fn in seen) for i, out in enumerate(outs))
 
 
+def _reaches(outs: list[torch.Tensor], inputs: list[Any]) -> tuple[tuple[frozenset[int], ...], bool]:
+    """For each output, the inputs (by index) its autograd graph reaches -- whether it would require grad
+    if only some of them did -- and whether that graph holds an ``autograd.Function`` other than a nested
+    region call (Note [Region identity], promotion)."""
+    index: dict[int, list[int]] = {}
+    for j, v in enumerate(inputs):
+        if isinstance(v, torch.Tensor):
+            index.setdefault(id(v), []).append(j)
+    custom = False
+    reached = []
+    for out in outs:
+        found: set[int] = set()
+        seen: set[Any] = set()
+        stack = [out.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # an AccumulateGrad: a leaf
+            if variable is not None:
+                found.update(index.get(id(variable), ()))
+            forward_cls = getattr(fn, "_forward_cls", None)
+            if forward_cls is not None and not getattr(forward_cls, "efx_region_call", False) and (
+                    forward_cls.__module__ != "torch._library.autograd"):  # a custom op's formula: an op
+                custom = True
+            stack.extend(f for f, _ in fn.next_functions)
+        reached.append(frozenset(found))
+    return tuple(reached), custom
+
+
 def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: str,
                 fn: Any = None, grad_outputs: tuple[bool, ...] | None = None) -> TracedGraph:
     """Run ``run`` (the user's code) with ``scope``'s builder current and return the traced graph.
@@ -273,6 +304,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         n_labels = len(scope.values)
         scope.finish_labels(joint.graph, layout)
         n_inputs -= n_labels - len(scope.values)
+        out_deps, custom_autograd = ((), True) if scope.region is None else _reaches(tensors, scope.values)
     # inputs lifted while tracing backward are forward inputs too; they never receive a gradient
     grad_mask = tuple(_requires_grad(v) for v in scope.values[:n_inputs]) + (False,) * (
         len(scope.values) - n_inputs
@@ -286,4 +318,5 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         tangent_mask=tangent_mask, grad_mask=grad_mask,
         grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],
         mutated=tuple(scope.nodes.index(n) for n, _ in written), covered_by=covered_by,
+        out_deps=out_deps, custom_autograd=custom_autograd,
     )

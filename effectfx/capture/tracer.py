@@ -114,12 +114,22 @@ class Tracer(TorchDispatchMode):
         self.trace_counts: dict[str, int] = {}
         self.region_calls: dict[str, int] = {}
         self._identifiers = 0
+        # region function -> why its body cannot serve calls promoted to require grad (Note [Region identity])
+        self.unpromotable: dict[Any, str] = {}
         self._fake_makers: dict[torch.device, Callable[[torch.Tensor, bool], torch.Tensor]] = {}
 
     def next_identifier(self) -> str:
         """Identifiers are given in order of first trace (Note [Region identity])."""
         self._identifiers += 1
         return f"subgraph_{self._identifiers - 1}"
+
+    def region_state(self) -> tuple:
+        """The region cache and its counts, to go back to when a trace is dropped."""
+        return (self._identifiers, dict(self.bodies), {k: list(v) for k, v in self.candidates.items()},
+                dict(self.trace_counts), dict(self.region_calls))
+
+    def restore_region_state(self, state: tuple) -> None:
+        self._identifiers, self.bodies, self.candidates, self.trace_counts, self.region_calls = state
 
     def call_region(self, region: Any, args: tuple, kwargs: dict) -> Any:
         from .region_call import call_region

@@ -156,6 +156,7 @@ def _body_reports(prog: Program | TrainingProgram,
             effects(fwd, info.identifier), effects(bwd, info.identifier),
             sizes.get(("forward" if bwd is not None else "program", info.identifier)),
             sizes.get(("backward", info.identifier)) if bwd is not None else None, read_types,
+            info.unshared,
         )
         by_region.setdefault(info.region, []).append(report)
     # regions known to the program but without body info (e.g. a program made by an older capture)
@@ -256,7 +257,11 @@ def _body_hint(new: Sequence[BodyReport], labels: Sequence[str]) -> str:
         return (" Each value of a non-tensor argument gets its own body; pass values that vary as tensors to "
                 "share one body.")
     if any("requires_grad" in d for d in differences):
-        return " Calls whose inputs differ in requires_grad cannot share a body."
+        unshared = next((b.unshared for b in new if b.unshared), "")
+        if unshared:
+            return (" A call whose tensor arguments need no gradient shares the body of calls whose do when "
+                    f"that body can serve it; this one cannot: {unshared} ({NOTES}).")
+        return " A call in which no tensor requires grad gets a body of its own, without a backward."
     if any("shape" in d for d in differences):
         return " Each input shape gets its own body."
     if "str" in read_types:

@@ -29,6 +29,7 @@ class BodyReport:
     # when only the reads differ (not the key): the type names of the values the two bodies read
     # differently ("str" for a label whose value the body used, "int" for a layer index, ...)
     read_types: tuple[str, ...] = ()
+    unshared: str = ""  # why a call whose tensors need no gradient could not share the region's body
 
     @property
     def new(self) -> bool:

@@ -112,6 +112,7 @@ class BodyInfo:
     trace_seconds: float
     calls: int
     guards: tuple = ()  # what its trace read: ((path, expectation), ...) (effectfx.capture.identity)
+    unshared: str = ""  # why calls promoted to require grad could not share its region's body
 
 
 @dataclass(frozen=True)

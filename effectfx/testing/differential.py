@@ -90,7 +90,8 @@ def run_program(build: Builder, fn: Callable[..., Any], args: tuple, kwargs: dic
 def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+                and a.dtype == b.dtype and a.requires_grad == b.requires_grad
+                and torch.allclose(a.detach(), b.detach(), rtol=rtol, atol=atol, equal_nan=True))
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-3)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
