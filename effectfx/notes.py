@@ -42,7 +42,8 @@ Identity has two halves:
     reads (``layer_idx`` of a layer that never looks at it) never splits bodies.
 
 A call site reuses the first body with its key whose guards hold on its own arguments; checking a guard
-is itself a read, so an enclosing body (or the root) depends on it too.  The root's reads are guards of
+is itself a read, so an enclosing body (or the root) depends on it too -- every call site watches the
+objects it is passed, also where it reuses a body and no trace ran.  The root's reads are guards of
 the compiled program, by identity: ``efx.compile`` checks them before every run and captures anew when one
 fails (flip ``model.config.use_gate`` between two calls: eager's result and effects on both).
 
@@ -54,6 +55,19 @@ method, a non-effect op, a backward formula, being returned, or turning up insid
 bakes in (``"/".join(...)`` reads it in C) -- *specializes*: the value is baked back in and guarded.
 Numbers are never labels: CPython reads an int in C (``range(n)``, ``xs[i]``) without calling any of its
 methods, so a use could not be seen.
+
+*Promotion.*  Under grad mode, a call whose floating tensor arguments do not all require grad while another
+of its tensors does (a parameter) is keyed as if they did: the first layer of a stack, whose input needs no
+gradient, shares the body of the others (so does every layer's attention mask).  The body is traced with
+those arguments requiring grad, and serves such a call exactly when eager would have run the same ops:
+each output requires grad only if its autograd graph reaches an operand that does at this call (walked
+over the trace's fake autograd graph, ``TracedGraph.out_deps``), and the call's backward is the body's
+without the promoted operands' gradients (``<body>_backward_skip0``: dead code removed, never an effect).
+A trace that shows the body could differ is dropped, and that region keys such calls as they are for the
+rest of the capture (``efx.explain`` says why): its code reads a tensor's autograd state
+(``x.requires_grad``, ``grad_fn``...), its autograd graph holds an ``autograd.Function`` of the code's own
+(which may look at ``ctx.needs_input_grad``; a custom op's registered formula is an op), it updates an
+operand in place, or its backward has effects -- eager runs a formula only for the gradients it needs.
 
 Operands are the tensor arguments, then *lifted* tensors and labels in order of first use: the module's
 parameters, buffers and plain tensor attributes by name (so N blocks with different weights share one

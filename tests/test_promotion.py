@@ -138,7 +138,16 @@ class UpdatesInput(Named):
         return self.lin(x)
 
 
+class PrintsIntermediate(Named):
+    @efx.region
+    def forward(self, x):
+        h = self.lin(x) @ torch.eye(4)  # needs a gradient through the weight: its grad_fn is printed
+        print("twice", x * 2)  # x * 2 shows a grad_fn exactly where x requires grad
+        return h
+
+
 @pytest.mark.parametrize(("cls", "why"), [
+    (PrintsIntermediate, "reads a tensor's autograd state"),
     (ReadsRequiresGrad, "reads a tensor's autograd state"),
     (BackwardEffect, "its backward has effects"),
     (CustomFunction, "torch.autograd.Function"),

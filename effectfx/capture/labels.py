@@ -12,10 +12,11 @@ guards then holding that value.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,9 +32,9 @@ _SENTINEL = "\x00efx-label-"
 _GRAD_STATE = frozenset(getattr(torch.Tensor, name) for name in ("requires_grad", "is_leaf", "grad_fn",
                                                                  "grad", "retains_grad"))
 _GETTER = type(torch.Tensor.requires_grad.__get__)  # what a torch-function mode sees for a property read
-# reads from these folders are effectfx's and autograd's own bookkeeping, not the traced code's
-_NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-             os.path.dirname(os.path.abspath(torch.autograd.__file__)) + os.sep)
+# reads from effectfx's own code are its bookkeeping, not the traced code's (what effectfx itself decides on
+# autograd state, it reports: ``LabelMode.grad_state_read``)
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _COUNTER = itertools.count()
 
 
@@ -107,7 +108,7 @@ def _has_label(values: Any) -> bool:
 
 
 def _ours(frame: Any) -> bool:
-    return frame.f_code.co_filename.startswith(_NOT_USER)
+    return frame.f_code.co_filename.startswith(_OURS)
 
 
 class LabelMode(TorchFunctionMode):
@@ -121,10 +122,24 @@ class LabelMode(TorchFunctionMode):
         super().__init__()
         self.sentinels: dict[str, Label] = {}
         self.grad_state_reads = 0
+        self.counting = True  # off while effectfx itself differentiates the trace
+
+    def grad_state_read(self) -> None:
+        """What the trace records depends on a tensor's autograd state (a printed ``grad_fn``, say)."""
+        self.grad_state_reads += 1
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        counting, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = counting
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if type(func) is _GETTER and func.__self__ in _GRAD_STATE and not _ours(sys._getframe(1)):
+        if type(func) is _GETTER and func.__self__ in _GRAD_STATE and self.counting and not _ours(
+                sys._getframe(1)):
             self.grad_state_reads += 1
         if _has_label(args) or _has_label(kwargs.values()):
             effectful = isinstance(func, _OPS) and effect_of(func) is not None

@@ -198,6 +198,7 @@ class _Capture:
                            "grad: eager shows the grad_fn of the caller's tensor, which one body shared by "
                            "every call cannot know; effectfx prints it without")
             return "r"  # the run-time input shows its own requires_grad
+        tracer.label_mode.grad_state_read()  # the suffix is baked in: Note [Region identity], promotion
         grad_fn = t.grad_fn
         if grad_fn is None:
             return "r:requires_grad=True"

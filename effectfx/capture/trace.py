@@ -298,7 +298,8 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         covered_by = _covered_by(diff_outs) if root else ()
         n_inputs = len(scope.values)
         wrt = [v for v in scope.values if isinstance(v, torch.Tensor) and v.requires_grad]
-        grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
+        with tracer.label_mode.uncounted():  # autograd's reads here are effectfx's, not the code's
+            grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
         grad_nodes = [builder.node_of(tracer.to_fake(g)) if g is not None else None for g in grads]
         joint = builder.finish((*out_nodes, *grad_nodes), class_name)
         n_labels = len(scope.values)
