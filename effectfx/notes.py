@@ -95,7 +95,10 @@ nodes read (exactly what eager autograd saves), and backward nodes become the ba
 are traced the same way (recursively), giving each body a forward and a backward subgraph; at the call
 site a ``RegionCall`` autograd function emits the forward call, and its ``backward`` emits the backward
 call when the enclosing trace runs its backward phase.  Forward effects therefore land in forward graphs
-only, and effects raised by autograd formulas land in backward graphs, in the engine's order.
+only, and effects raised by autograd formulas land in backward graphs, in the engine's order.  Backward
+graphs take their gradients contiguous (``TensorMeta.tangent``), whatever the layout of the output they
+belong to: the formula of a caller hands a transposed result's gradient over as it computed it, so a
+region's call site and a compiled program's backward make each incoming gradient contiguous first.
 
 A call site is cheap by construction, because a capture has one per layer: a body's forward does not
 return the saved values that are its own inputs (the call site hands its operand to the backward call), a

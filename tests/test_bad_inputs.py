@@ -716,3 +716,57 @@ def test_compiled_callable_sees_global_flag_change() -> None:
     except efx.EffectfxError:
         return  # refusing (and saying why) would keep the promise too
     assert log == eager_log
+
+
+# -- checkpointing and tensors kept in Python state ---------------------------------------------------------
+_CKPT_LIN = torch.nn.Linear(4, 4)
+
+
+@efx.region
+def _checkpointed(t):
+    torch.ops.efxtest.record_memory("ckpt")
+    return torch.tanh(_CKPT_LIN(t))
+
+
+def test_a_region_under_checkpoint_is_refused_and_checkpoint_inside_a_region_works() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    def around(x):
+        return checkpoint(_checkpointed, x, use_reentrant=False).sum()
+
+    with pytest.raises(efx.CaptureError, match=r"'_checkpointed'.*saved-tensor hooks at .*test_bad_inputs\.py"):
+        efx.compile(around)(torch.randn(2, 4, requires_grad=True))
+
+    @efx.region
+    def inside(x):
+        return checkpoint(_checkpointed.__wrapped__, x, use_reentrant=False)
+
+    check_against_eager(lambda x: inside(x).sum(), torch.randn(2, 4, requires_grad=True))
+
+
+def test_reentrant_checkpoint_under_autograd_is_refused() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    def f(x):
+        return checkpoint(lambda t: torch.tanh(_CKPT_LIN(t)), x, use_reentrant=True).sum()
+
+    with pytest.raises(efx.UnsupportedOperatorError, match=r"use_reentrant=True .*test_bad_inputs\.py"):
+        efx.compile(f)(torch.randn(2, 4, requires_grad=True))
+
+
+def test_a_tensor_a_region_kept_in_python_state_is_refused_with_both_causes() -> None:
+    kept: list[torch.Tensor] = []
+
+    @efx.region
+    def keeps(x):
+        y = x * 2
+        kept.append(y)
+        return y + 1
+
+    def f(x):
+        kept.clear()
+        out = keeps(x)
+        return out, kept[0]
+
+    with pytest.raises(efx.CaptureError, match=r"kept in Python state.*return it from the region"):
+        efx.compile(f)(torch.randn(2))

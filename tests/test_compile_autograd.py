@@ -333,3 +333,37 @@ def test_capture_gives_a_training_program_with_one_backward_body(n):
     assert prog.forward.region_traces == prog.backward.region_traces == {"subgraph_0": 1}
     out = prog(x)
     assert out.grad_fn is not None
+
+
+# -- gradients laid out unlike their outputs ------------------------------------------------------------
+_W = torch.randn(4, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+
+@efx.region
+def _transposed(x):
+    R.record_memory("transposed")
+    return (x @ _W).transpose(0, 1)  # a view: its backward views the gradient as the forward laid it out
+
+
+def test_a_region_returning_a_transposed_view_takes_its_caller_s_gradient() -> None:
+    """The caller's formula (mul's) hands the region a contiguous gradient for its transposed result: the
+    backward graphs take contiguous gradients, and the call site makes them so (a ConvNeXt block failed
+    here with a raw RuntimeError from ``aten.view`` in the region's backward)."""
+    def f(x):
+        return (_transposed(x) * 2).sum(), _transposed(x.flip(0)).mean(1)
+
+    check_against_eager(f, leaf_input(2, 3, 4))
+    check_against_eager(f, torch.randn(2, 3, 4))
+
+
+def test_a_transposed_output_of_the_compiled_function_takes_any_gradient() -> None:
+    def f(x):
+        return (x @ _W).transpose(0, 1)
+
+    x = leaf_input(2, 3, 4)
+    compiled = efx.compile(f)
+    for grad in (torch.randn(3, 2, 4), torch.randn(4, 2, 3).permute(2, 1, 0)):
+        want = torch.autograd.grad(f(x), [x, _W], grad)
+        got = torch.autograd.grad(compiled(x), [x, _W], grad)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)

@@ -244,3 +244,37 @@ def test_in_place_simplification_is_the_copying_one() -> None:
     assert in_place.forward.code() == copied.forward.code() and in_place.backward.code() == copied.backward.code()
     assert "aten.detach" not in in_place.backward.code()
     assert in_place.forward.history[-1].name == "simplify_in_place"
+
+
+class _HalfUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @efx.region
+    def forward(self, x):
+        y = self.lin(x)  # under autocast: a bfloat16 copy of the weight, which autocast caches
+        return y.relu(), y * 2  # the second result is never used: a partial backward, traced again
+
+
+def test_a_retrace_under_autocast_casts_the_weights_itself() -> None:
+    """The retrace (Note [Partial backward]) must not pick up the first trace's cached cast of a weight: it
+    was refused as a tensor the region did not receive (T5 training under autocast)."""
+    torch.manual_seed(0)
+    block = _HalfUsed()
+
+    def inside(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return block(x)[0].float()
+
+    check_against_eager(inside, torch.randn(2, 4))
+
+    def outside(x):
+        return block(x)[0].float()
+
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.autograd.grad(outside(x).sum(), list(block.parameters()))
+        got = torch.autograd.grad(efx.compile(outside)(x).sum(), list(block.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

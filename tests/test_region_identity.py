@@ -7,6 +7,7 @@ efx.compile) and by the number of bodies it makes; the label convention has a go
 
 from __future__ import annotations
 
+import functools
 import textwrap
 import types
 
@@ -432,3 +433,26 @@ def test_the_flat_call_spec_is_pytree_s() -> None:
         expected_leaves, expected_spec = tree_flatten((args, kwargs))
         assert spec == expected_spec and len(leaves) == len(expected_leaves)
         assert all(a is b for a, b in zip(leaves, expected_leaves))
+
+
+class _PartialActivation(nn.Module):
+    """An activation held as ``functools.partial`` (transformers' GELUTanh: Gemma, Starcoder2)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = functools.partial(torch.nn.functional.gelu, approximate=approximate)
+
+    @efx.region
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+def test_equal_partials_share_a_body_and_different_ones_do_not() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_PartialActivation(), _PartialActivation(), _PartialActivation("none"))
+    x = torch.randn(2, 4, requires_grad=True)
+    check_against_eager(model, x)
+    explained = efx.explain(model, x).regions["_PartialActivation.forward"]
+    assert [b.calls for b in explained.bodies] == [2, 1]
+    assert "self.act: partial(gelu, approximate='tanh') -> partial(gelu, approximate='none')" in explained.bodies[1].reason

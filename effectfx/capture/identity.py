@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -264,6 +265,10 @@ def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, st
 def expect_text(expect: tuple) -> str:
     kind = expect[0]
     if kind == "=":
+        if expect[1] is functools.partial:  # ("partial", (func, args, keywords, attributes)), frozen
+            func, args, keywords, _ = expect[2][1]
+            words = [repr(a) for a in _items(args)] + [f"{k}={v!r}" for k, v in _items(keywords)]
+            return f"partial({getattr(func, '__name__', func)}, {', '.join(words)})"
         return repr(expect[2]) if plain_value(expect[2]) else f"{expect[1].__name__} {expect[2][1]!r:.60}"
     if kind == "str":
         return "a str (an operand)"
@@ -272,6 +277,13 @@ def expect_text(expect: tuple) -> str:
     if kind in ("is", "state"):
         return f"that {type(expect[1].obj).__name__} object" + (" in that state" if kind == "state" else "")
     return "<missing>"
+
+
+def _items(frozen: Any) -> tuple:
+    """The items of a list, tuple or dict as :func:`freeze` holds it (a tuple of plain values as is)."""
+    if type(frozen) is tuple and len(frozen) == 2 and frozen[0] in ("tuple", "list", "dict"):
+        return frozen[1]
+    return frozen
 
 
 def value_text(value: Any) -> str:

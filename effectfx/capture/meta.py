@@ -31,6 +31,16 @@ class TensorMeta:
     def without_grad(self) -> TensorMeta:
         return TensorMeta(self.shape, self.stride, self.dtype, self.device, False)
 
+    def tangent(self) -> TensorMeta:
+        """A gradient of a tensor like this one as backward graphs take it: contiguous, whatever the
+        tensor's layout (a transposed result's gradient arrives as its caller's formula made it), so every
+        place a gradient enters a backward graph makes it contiguous first (Note [Joint trace])."""
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.insert(0, step)
+            step *= max(size, 1)
+        return TensorMeta(self.shape, tuple(stride), self.dtype, self.device, False)
+
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         contiguous, step = [], 1

@@ -12,7 +12,9 @@ operand of the body (``effectfx.capture.labels``); any other use specializes the
 from __future__ import annotations
 
 import enum
+import functools
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +24,9 @@ import torch
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+# functions compared by identity inside a frozen value: their code is the same object
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, torch._ops.OpOverload,
+              torch._ops.OpOverloadPacket)
 
 # nn.Module's own bookkeeping: read on every call, never part of what a layer computes
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
@@ -83,6 +88,11 @@ def freeze(value: Any, depth: int = 0) -> Any:
         items = tuple((freeze(k, depth + 1), freeze(v, depth + 1)) for k, v in value.items())
     elif isinstance(value, (set, frozenset)):
         items = tuple(sorted((freeze(v, depth + 1) for v in value), key=repr))
+    elif type(value) is functools.partial and isinstance(value.func, _FUNCTIONS):
+        # an activation such as ``partial(F.gelu, approximate="tanh")``, one per layer: equal when it
+        # calls the same function with equal arguments
+        items = (value.func, freeze(value.args, depth + 1), freeze(value.keywords, depth + 1),
+                 freeze(vars(value), depth + 1))
     else:
         return MISSING
     if MISSING in items or any(isinstance(i, tuple) and MISSING in i for i in items):

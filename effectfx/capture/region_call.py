@@ -235,7 +235,9 @@ class RegionCall(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:  # type: ignore[override]
         body: RegionBody = ctx.body
         traced = body.traced
-        tangents = [g for g, m in zip(grads, traced.tangent_mask) if m]
+        # backward graphs take contiguous gradients (TensorMeta.tangent): the copy is recorded where needed
+        tangents = [g if g is None or g.is_contiguous() else g.contiguous()
+                    for g, m in zip(grads, traced.tangent_mask) if m]
         live = tuple(g is not None for g in tangents)
         if ctx.saved and ctx.saved[0].graph is not ctx.tracer.builder.graph:
             raise CaptureError(
@@ -276,6 +278,14 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             f"region {region.name!r} calls itself ({chain_names}) at {user_location()}.\n"
             "A region's body must be finite to trace once; unroll the recursion or remove @region "
             "from the recursive function."
+        )
+    if torch.is_grad_enabled() and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        raise CaptureError(
+            f"region {region.name!r} (defined at {definition(region.fn)}) is called under saved-tensor hooks "
+            f"at {user_location()} (torch.utils.checkpoint with use_reentrant=False around the call, "
+            "torch.autograd.graph.save_on_cpu...): a region call saves nothing through autograd, so the "
+            "hooks would not see its tensors and a checkpoint would not recompute its effects as eager does. "
+            "Checkpoint inside the region instead, or call the code without @effectfx.region there."
         )
     leaves, spec = flatten_call(args, kwargs)
     for leaf in leaves:  # what checking this site's guards reads, its caller depends on: watch it
@@ -399,6 +409,9 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     # labels live only in bodies: the root's own calls (and the bookkeeping of its call sites) skip the mode
     label_mode = contextlib.nullcontext() if tracer.region_stack else tracer.label_mode
     tracer.region_stack.append(region)
+    # autocast's cached casts of weights are values of the graph that made them: a body neither reads its
+    # caller's (nor an earlier trace's, a partial backward's retrace) nor leaves its own to its caller
+    torch.clear_autocast_cache()
     try:
         with label_mode, recording(reads):
             for holder, step, value in code_reads(region.fn):
@@ -409,6 +422,7 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
                                    body_args, body_kwargs)
     finally:
         tracer.region_stack.pop()
+        torch.clear_autocast_cache()
     return traced, tuple(reads.guards.items())
 
 

@@ -20,6 +20,7 @@ from ..errors import (
     EffectfxError,
     FreeTensorError,
     UnsupportedMutationError,
+    UnsupportedOperatorError,
     UnsupportedReturnError,
 )
 from ..passes.dce import eliminate_dead_code
@@ -122,8 +123,11 @@ class Scope:
         if real is None:
             if self.region is None:
                 raise CaptureError(
-                    f"the captured function read a tensor that belongs to another capture "
-                    f"(at {user_location()}); pass it as an argument instead."
+                    f"the captured function read a tensor it neither computed nor received (at "
+                    f"{user_location()}): one computed inside a region and kept in Python state (appended to "
+                    "a list, stored on an object, or by a hook such as transformers' output_attentions and "
+                    "output_hidden_states), or one from another capture. A region's body is traced once for "
+                    "all its calls, so such a tensor has no value per call: return it from the region."
                 )
             raise FreeTensorError(
                 f"region {self.region.name!r} reads a tensor computed by its caller that is not one of its "
@@ -290,7 +294,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             diff_outs = [t for t, live in zip(diff_outs, grad_outputs) if live]
         tangents = []
         for i, t in enumerate(diff_outs):
-            tangent = tracer.new_fake(TensorMeta.of(t).without_grad())
+            tangent = tracer.new_fake(TensorMeta.of(t).tangent())
             builder.placeholder(f"tangent_{i}", tangent).meta["tangent"] = True
             tangents.append(tangent)
         # the root's outputs only, and only when there are several (Note [Partial backward])
@@ -298,8 +302,18 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         covered_by = _covered_by(diff_outs) if root else ()
         n_inputs = len(scope.values)
         wrt = [v for v in scope.values if isinstance(v, torch.Tensor) and v.requires_grad]
-        with tracer.label_mode.uncounted():  # autograd's reads here are effectfx's, not the code's
-            grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
+        try:
+            with tracer.label_mode.uncounted():  # autograd's reads here are effectfx's, not the code's
+                grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
+        except RuntimeError as exc:
+            if "use_reentrant=True" not in str(exc):
+                raise
+            raise UnsupportedOperatorError(
+                f"{where} calls torch.utils.checkpoint with use_reentrant=True (captured at "
+                f"{user_location()}): effectfx derives the backward with torch.autograd.grad, which "
+                "reentrant checkpointing does not support. Pass use_reentrant=False, PyTorch's recommended "
+                "setting."
+            ) from None
         grad_nodes = [builder.node_of(tracer.to_fake(g)) if g is not None else None for g in grads]
         joint = builder.finish((*out_nodes, *grad_nodes), class_name)
         n_labels = len(scope.values)

@@ -246,7 +246,9 @@ class _RunTraining(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:  # type: ignore[override]
         prog: TrainingProgram = ctx.prog
-        tangents = [g for g, m in zip(grads, prog.tangent_mask) if m]
+        # the backward graph was traced with contiguous gradients (Note [Joint trace])
+        tangents = [g if g is None or g.is_contiguous() else g.contiguous()
+                    for g, m in zip(grads, prog.tangent_mask) if m]
         live = tuple(g is not None for g in tangents)
         if not all(live) and prog.covers(live):  # the full backward runs the same formulas: zeros are exact
             tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
