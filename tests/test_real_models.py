@@ -1,5 +1,6 @@
-"""Real models (issue 9): GPT-2, Llama and BERT from ``transformers`` (random weights, built from configs)
-trained 3 SGD steps with ``efx.compile`` beside eager, every layer a logged region (effectfx.testing.hf)."""
+"""Real models (issue 9): GPT-2, Llama, BERT and ViT from ``transformers`` (random weights, built from
+configs) trained 3 SGD steps with ``efx.compile`` beside eager, every layer a logged region
+(effectfx.testing.hf)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 import effectfx as efx
 from effectfx.testing import hf, recording
 
-KINDS = ("gpt2", "llama", "bert")
+KINDS = ("gpt2", "llama", "bert", "vit")
 STEPS = 3
 REGION = "LoggedLayer.forward"
 
@@ -34,12 +35,13 @@ class Pair:
     effectfx: Run
 
 
-def train(model: nn.Module, call: nn.Module | efx.CompiledCallable, batches: list[torch.Tensor]) -> Run:
+def train(model: nn.Module, call: nn.Module | efx.CompiledCallable, batches: list[dict[str, torch.Tensor]]
+          ) -> Run:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     with recording() as log:
-        for ids in batches:
-            loss = call(ids, labels=ids).loss
+        for inputs in batches:
+            loss = call(**inputs).loss
             loss.backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
@@ -53,7 +55,7 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     eager_model = hf.build(request.param, seed=0)
     model = copy.deepcopy(eager_model)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, hf.VOCAB, (2, 8), generator=g) for _ in range(STEPS)]
+    batches = [hf.batch(request.param, g) for _ in range(STEPS)]
     compiled = efx.compile(model)
     return Pair(eager_model, model, compiled, train(eager_model, eager_model, batches),
                 train(model, compiled, batches))

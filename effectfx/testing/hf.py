@@ -1,6 +1,6 @@
 """Small Hugging Face ``transformers`` models (random weights, built from configs) with logged layer regions.
 
-The builders make GPT-2, Llama and BERT at test size (hidden 64, 4 layers, 4 heads, vocab 100, 64
+The builders make GPT-2, Llama, BERT and ViT at test size (hidden 64, 4 layers, 4 heads, vocab 100, 64
 positions, no dropout, eager attention, no KV cache): nothing is downloaded.  :func:`log_layers` makes every
 decoder/encoder layer a region the way a user would without touching ``transformers``' code: it swaps each
 layer for a :class:`LoggedLayer` whose ``forward`` is an ``@efx.region`` that records the layer's name on
@@ -33,7 +33,9 @@ LAYER_LISTS = {
     "gpt2": "transformer.h",
     "llama": "model.layers",
     "bert": "bert.encoder.layer",
+    "vit": "vit.layers",
 }
+IMAGE, PATCH, CLASSES = 16, 4, 5
 
 
 # Random-weight models have no tokenizer; special token ids only have to lie inside the vocabulary
@@ -62,6 +64,16 @@ def bert_config() -> transformers.BertConfig:
         attention_probs_dropout_prob=0.0, use_cache=False, attn_implementation="eager", **_TOKENS)
 
 
+def vit_config() -> transformers.ViTConfig:
+    # the problem type is set up front: transformers sets it on the first call otherwise, a changed
+    # attribute that captures again
+    return transformers.ViTConfig(
+        image_size=IMAGE, patch_size=PATCH, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=4 * HIDDEN, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=CLASSES, problem_type="single_label_classification",
+        attn_implementation="eager")
+
+
 def gpt2() -> nn.Module:
     """A small ``GPT2LMHeadModel`` with random weights (``model(ids, labels=ids).loss``)."""
     model = transformers.GPT2LMHeadModel(gpt2_config())
@@ -80,7 +92,21 @@ def bert() -> nn.Module:
     return transformers.BertForMaskedLM(bert_config())
 
 
-BUILDERS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "bert": bert}
+def vit() -> nn.Module:
+    """A small ``ViTForImageClassification`` with random weights (``model(pixel_values=..., labels=...)``)."""
+    return transformers.ViTForImageClassification(vit_config())
+
+
+BUILDERS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit}
+
+
+def batch(kind: str, generator: torch.Generator, size: int = 2) -> dict[str, torch.Tensor]:
+    """The keyword arguments of one training call of a model of ``kind`` (a loss comes back)."""
+    if kind == "vit":
+        return {"pixel_values": torch.randn(size, 3, IMAGE, IMAGE, generator=generator),
+                "labels": torch.randint(0, CLASSES, (size,), generator=generator)}
+    ids = torch.randint(0, VOCAB, (size, 8), generator=generator)
+    return {"input_ids": ids, "labels": ids}
 
 
 class LoggedLayer(nn.Module):
@@ -115,11 +141,11 @@ def log_layers(model: nn.Module, kind: str) -> nn.Module:
 
 
 def build(kind: str, seed: int = 0, logged: bool = True) -> nn.Module:
-    """A seeded model of ``kind`` ("gpt2", "llama", "bert"), its layers logged unless ``logged=False``."""
+    """A seeded model of ``kind`` (a key of :data:`BUILDERS`), its layers logged unless ``logged=False``."""
     torch.manual_seed(seed)
     model = BUILDERS[kind]()
     return log_layers(model, kind) if logged else model
 
 
-__all__ = ["BUILDERS", "LAYER_LISTS", "LoggedLayer", "bert", "bert_config", "build", "gpt2", "gpt2_config",
-           "layers_of", "llama", "llama_config", "log_layers"]
+__all__ = ["BUILDERS", "LAYER_LISTS", "LoggedLayer", "batch", "bert", "bert_config", "build", "gpt2",
+           "gpt2_config", "layers_of", "llama", "llama_config", "log_layers", "vit", "vit_config"]
