@@ -21,7 +21,18 @@ from typing import Any
 import torch
 
 from .meta import TensorMeta
-from .reads import MISSING, Label, Ref, class_of, expectation, freeze, plain_value, raw, satisfies
+from .reads import (
+    MISSING,
+    Label,
+    Ref,
+    class_of,
+    expectation,
+    freeze,
+    plain_value,
+    raw,
+    report_read,
+    satisfies,
+)
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -188,12 +199,17 @@ def step(value: Any, s: Any) -> Any:
 
 
 def resolve(path: tuple, leaves: Sequence[Any]) -> Any:
+    """The value at ``path`` from a call site's arguments.  Every step is a read its caller depends on
+    (the caller's recorders see it: Note [Region identity]), also from an object no trace watches -- a
+    module whose call reuses a body."""
     root = path[0]
     value = leaves[root[1]] if root[0] == "leaf" else root[1].obj
     for s in path[1:]:
         if value is MISSING:
             return MISSING
-        value = step(value, s)
+        owner, value = value, step(value, s)
+        if not hasattr(type(owner), "__efx_watched__"):  # a watched object reports its own reads
+            value = report_read(owner, s, value, watch=False)
     return value
 
 

@@ -161,18 +161,20 @@ _WATCHED_CLASSES: dict[type, type] = {}
 _CLASS_LOCK = threading.Lock()
 
 
-def report_read(obj: Any, name: Any, value: Any) -> Any:
+def report_read(obj: Any, name: Any, value: Any, watch: bool = True) -> Any:
     """Tell every active recorder that ``name`` (an attribute, or ``("item", key)``) of ``obj`` was read
-    as ``value``; returns what the reader gets (a Label, for a string a body reads)."""
+    as ``value``; returns what the reader gets (a Label, for a string a body reads).  With ``watch``, the
+    object read is watched from now on; a reader that reports each of its reads itself (a guard's path)
+    need not pay for that."""
     stack = getattr(_LOCAL, "stack", None)
     if not stack or name[:2] == "__" or (name in _MODULE_INTERNALS and isinstance(obj, torch.nn.Module)):
         return value
     if isinstance(value, torch.Tensor) or (callable(value) and not isinstance(value, torch.nn.Module)
                                            and getattr(value, "__self__", None) is obj):
         return value  # tensors are lifted operands; methods come with the (keyed) class
-    value = stack[-1].read(obj, name, value, innermost=True)  # first: it may hand out a Label
+    value = stack[-1].read(obj, name, value, innermost=True, watch=watch)  # first: it may hand out a Label
     for reads in stack[:-1]:
-        reads.read(obj, name, value)
+        reads.read(obj, name, value, watch=watch)
     return value
 
 
@@ -257,6 +259,7 @@ class Reads:
         self.watcher = watcher
         self.structural = structural
         self.paths: dict[int, Path] = {}
+        self.named: list[Any] = []
         self.guards: dict[Path, tuple] = {}
         self.on_label = on_label  # makes a Label for a str the body read (bodies only)
 
@@ -269,7 +272,7 @@ class Reads:
         path = self.paths.get(id(obj))
         return path if path is not None else (("id", Ref(obj)),)
 
-    def read(self, owner: Any, step: Any, value: Any, innermost: bool = False) -> Any:
+    def read(self, owner: Any, step: Any, value: Any, innermost: bool = False, watch: bool = True) -> Any:
         path = (*self.path_of(owner), step)
         if isinstance(value, Label) and not self.structural:
             self.specialize(path, str.__str__(value))  # the root passes the value itself: guard it
@@ -280,8 +283,10 @@ class Reads:
             return self.on_label(path, value)
         elif path not in self.guards:
             self.guards[path] = expectation(value, self.structural)
-        if not plain_value(value) and value is not MISSING and self.watcher.watch(value):
-            self.paths.setdefault(id(value), path)
+        if not plain_value(value) and value is not MISSING and (not watch or self.watcher.watch(value)):
+            if id(value) not in self.paths:
+                self.paths[id(value)] = path
+                self.named.append(value)  # its id names it only while it lives
         return value
 
     def specialize(self, path: Path, value: str) -> None:

@@ -288,9 +288,6 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
             "Checkpoint inside the region instead, or call the code without @effectfx.region there."
         )
     leaves, spec = flatten_call(args, kwargs)
-    for leaf in leaves:  # what checking this site's guards reads, its caller depends on: watch it
-        if not isinstance(leaf, torch.Tensor):
-            tracer.watcher.watch(leaf)
     walks = {i: ModuleWalk(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
     key = call_key(leaves, spec, walks=walks)
     body, promoted = _find(tracer, region, key, leaves), False
