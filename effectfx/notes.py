@@ -130,7 +130,10 @@ No new trace is needed when each output without a gradient is *covered*: the aut
 that has one reaches its ``grad_fn`` (a model's logits, from the loss computed from them).  The engine then
 runs the very same formulas, and the full backward with zero tangents for the covered outputs is autograd's
 own (``x + 0`` is ``x``).  A compiled program records, per differentiable output, which others cover it
-(``TracedGraph.covered_by``, walked over the fake autograd graph at capture; kept by save/load).
+(``TracedGraph.covered_by``, walked over the fake autograd graph at capture; kept by save/load).  A region
+call's node is one node for all its results but not one set of formulas: the walk names it per result,
+and through it follows only the operands that result reaches (``TracedGraph.out_deps``), so two results of
+one call never cover each other.
 
 Note [Mutations]
 ~~~~~~~~~~~~~~~~

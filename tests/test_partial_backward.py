@@ -278,3 +278,25 @@ def test_a_retrace_under_autocast_casts_the_weights_itself() -> None:
         got = torch.autograd.grad(efx.compile(outside)(x).sum(), list(block.parameters()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+@efx.region
+def _sin_and_scaled(x):
+    return x.sin(), R.scale(x, 0.5)  # the second result's formula records ("grad", 0.5)
+
+
+def test_outputs_of_one_region_call_do_not_cover_each_other() -> None:
+    """Two results of one region call share its autograd node, but not their formulas: a backward from the
+    first runs none of the second's (eager logs nothing). The full backward with a zero gradient for the
+    second ran its formula and logged ("grad", 0.5)."""
+    def f(x):
+        return _sin_and_scaled(x)
+
+    x = x_grad(3)
+    compiled = efx.compile(f)
+    for call in (f, compiled, f):
+        with recording() as log:
+            out = call(x)[0]
+            (grad,) = torch.autograd.grad(out.sum(), [x])
+        assert log == []
+        torch.testing.assert_close(grad, x.cos())

@@ -214,3 +214,25 @@ def test_a_changed_attribute_of_a_layer_that_reused_a_body_is_seen() -> None:
         assert got == want
         torch.testing.assert_close(out, expected)
     assert compiled.stats.compiles == 3
+
+
+@efx.region
+def _inner(a, b):
+    torch.ops.efxtest.record_memory("inner")
+    return a * 3, b * 2  # the first result reaches ``a`` only
+
+
+@efx.region
+def _outer(a, b):
+    return _inner(a, b)[0]
+
+
+def test_an_output_reaching_only_a_promoted_input_through_a_nested_region() -> None:
+    """A nested region call's autograd node has an edge to every operand: the walk follows only those its
+    output reaches (a fuzz find: the outer result required grad where eager's did not)."""
+    def f(x, w):
+        return _outer(x, w), _inner(w, x)[0]
+
+    check_against_eager(f, torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
+    got = efx.compile(f)(torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
+    assert [t.requires_grad for t in got] == [False, True]

@@ -222,6 +222,8 @@ class RegionCall(torch.autograd.Function):
         ctx.saved = [next(saved) if j is None else operand_node(tracer, raw(operands[j]))
                      for j in traced.saved_inputs]
         ctx.tracer, ctx.body = tracer, body
+        # which operands are tensors: the node's edges, in order (an output's operands: TracedGraph.out_deps)
+        ctx.tensor_operands = tuple(j for j, o in enumerate(operands) if isinstance(o, torch.Tensor))
         ctx.call = call
         differentiable = traced.tangent_mask
         if call.promoted:  # an output reaching only promoted operands does not require grad, as in eager

@@ -190,21 +190,38 @@ def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str
     return spec, layout, tensors
 
 
+def _node_key(fn: Any, nr: int) -> Any:
+    """How a walk of an autograd graph names a node: a region call's node by its output too -- its outputs
+    run different formulas of the body (Note [Partial backward])."""
+    return (fn, nr) if getattr(getattr(fn, "_forward_cls", None), "efx_region_call", False) else fn
+
+
+def _walk(out: torch.Tensor) -> set[Any]:
+    """The nodes (``_node_key``) of ``out``'s autograd graph.  Through a region call, only the operands its
+    output reaches are followed (the call's node has an edge to every operand: ``TracedGraph.out_deps``)."""
+    seen: set[Any] = set()
+    stack = [(out.grad_fn, out.output_nr)]
+    while stack:
+        fn, nr = stack.pop()
+        key = _node_key(fn, nr)
+        if fn is None or key in seen:
+            continue
+        seen.add(key)
+        edges = fn.next_functions
+        if key is not fn and fn.body.traced.out_deps:
+            position = {j: p for p, j in enumerate(fn.tensor_operands)}
+            edges = tuple(edges[position[j]] for j in fn.body.traced.out_deps[nr] if j in position)
+        stack.extend(edges)
+    return seen
+
+
 def _covered_by(outs: list[torch.Tensor]) -> tuple[frozenset[int], ...]:
     """For each output, the other outputs whose autograd graph reaches its own ``grad_fn``: a backward
     from those runs every formula it would run (Note [Partial backward])."""
-    reached = []
-    for out in outs:
-        seen: set[Any] = set()
-        stack = [out.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.extend(f for f, _ in fn.next_functions)
-        reached.append(seen)
+    reached = [_walk(out) for out in outs]
+    keys = [_node_key(out.grad_fn, out.output_nr) for out in outs]
     return tuple(frozenset(j for j, seen in enumerate(reached) if j != i and out.grad_fn is not None
-                           and out.grad_fn in seen) for i, out in enumerate(outs))
+                           and keys[i] in seen) for i, out in enumerate(outs))
 
 
 def _reaches(outs: list[torch.Tensor], inputs: list[Any]) -> tuple[tuple[frozenset[int], ...], bool]:
@@ -219,21 +236,14 @@ def _reaches(outs: list[torch.Tensor], inputs: list[Any]) -> tuple[tuple[frozens
     reached = []
     for out in outs:
         found: set[int] = set()
-        seen: set[Any] = set()
-        stack = [out.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
+        for key in _walk(out):
+            fn = key[0] if type(key) is tuple else key
             variable = getattr(fn, "variable", None)  # an AccumulateGrad: a leaf
             if variable is not None:
                 found.update(index.get(id(variable), ()))
             forward_cls = getattr(fn, "_forward_cls", None)
-            if forward_cls is not None and not getattr(forward_cls, "efx_region_call", False) and (
-                    forward_cls.__module__ != "torch._library.autograd"):  # a custom op's formula: an op
-                custom = True
-            stack.extend(f for f, _ in fn.next_functions)
+            if forward_cls is not None and key is fn and forward_cls.__module__ != "torch._library.autograd":
+                custom = True  # (a custom op's registered formula is an op)
         reached.append(frozenset(found))
     return tuple(reached), custom
 
