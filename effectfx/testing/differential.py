@@ -56,11 +56,14 @@ def _wrt(fn: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return leaves
 
 
-def _run(call: Callable[[], Any], wrt: list[torch.Tensor]) -> tuple[list[Any], list[Any], list[tuple]]:
+def _run(call: Callable[[], Any], wrt: list[torch.Tensor], first_only: bool = False
+         ) -> tuple[list[Any], list[Any], list[tuple]]:
     with recording() as log:
         out = call()
         outs = tree_flatten(out)[0]
         diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if first_only:  # the others' formulas must not run (Note [Partial backward])
+            diff = diff[:1]
         grads: list[Any] = []
         if diff and wrt:
             grads = list(torch.autograd.grad(diff, wrt, [_grad_outputs(o, i) for i, o in enumerate(diff)],
@@ -169,15 +172,16 @@ class StartingState:
 
 
 def run_sequence(call: Callable[..., Any], fn: Callable[..., Any], make_args: Callable[[], tuple],
-                 start: StartingState, calls: int = 1) -> list[RunResult]:
+                 start: StartingState, calls: int = 1, first_only: bool = False) -> list[RunResult]:
     """``call`` on ``calls`` fresh ``make_args()`` in turn, from ``start``'s state; each result holds the
     arguments and the state after its call (``RunResult.after``).  Gradients are taken with respect to the
-    arguments and ``fn``'s parameters that require grad."""
+    arguments and ``fn``'s parameters that require grad, of every output that requires grad, or of the
+    first only (``first_only``)."""
     start.reset()
     results = []
     for _ in range(calls):
         args = make_args()
-        outs, grads, log = _run(lambda args=args: call(*args), _wrt(fn, args, {}))
+        outs, grads, log = _run(lambda args=args: call(*args), _wrt(fn, args, {}), first_only)
         after = [a.detach().clone() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
         after += [t.detach().clone() for t in start.state]
         results.append(RunResult(outs, grads, log, [], after))
