@@ -373,3 +373,47 @@ def test_argument_updated_in_place_with_a_view_of_it_passed_too_is_refused() -> 
     with pytest.raises(efx.UnsupportedMutationError, match="'b' is another view of the same memory"):
         compiled(t, t[:2])
     assert torch.equal(t, torch.zeros(4))  # refused before anything ran
+
+
+def _leaf_aware(x):
+    return x * (2.0 if x.is_leaf else 3.0)
+
+
+def test_an_input_with_a_history_is_its_own_signature() -> None:
+    """A tensor that requires grad and was computed (``x.is_leaf`` False) is not the leaf the program was
+    captured for: code may look, and the trace follows what it saw."""
+    compiled = efx.compile(_leaf_aware)
+    x = torch.randn(3, requires_grad=True)
+    for arg in (x, x * 1.0, x):
+        got, want = compiled(arg), _leaf_aware(arg)
+        torch.testing.assert_close(got, want)
+        grads = [torch.autograd.grad(o.sum(), [x], retain_graph=True) for o in (got, want)]
+        torch.testing.assert_close(*grads)
+    assert compiled.stats.compiles == 2
+    assert "requires_grad True -> non-leaf" in str(efx.explain(compiled))
+
+
+class _ParameterViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("pos", torch.randn(1, 8))
+
+    def forward(self, x):
+        return x @ self.w.t() + self.pos[:, : x.shape[1]]
+
+
+def test_compiled_under_inference_mode_like_eager() -> None:
+    """Captured under ``torch.inference_mode()`` as under no_grad (views of a parameter failed with a raw
+    RuntimeError: inference tensors have no version counter); the results are inference tensors."""
+    model = _ParameterViews()
+    compiled = efx.compile(model)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        want = model(x)
+        for _ in range(3):
+            got = compiled(x)
+            torch.testing.assert_close(got, want)
+            assert got.is_inference() and not got.requires_grad
+    assert compiled(x).requires_grad  # grad mode: another signature, a training program
+    assert compiled.stats.compiles == 2

@@ -456,3 +456,24 @@ def test_equal_partials_share_a_body_and_different_ones_do_not() -> None:
     explained = efx.explain(model, x).regions["_PartialActivation.forward"]
     assert [b.calls for b in explained.bodies] == [2, 1]
     assert "self.act: partial(gelu, approximate='tanh') -> partial(gelu, approximate='none')" in explained.bodies[1].reason
+
+
+class _LeafAware(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @efx.region
+    def forward(self, x):
+        return self.lin(x) * (2.0 if x.is_leaf else 3.0)
+
+
+def test_a_body_reading_is_leaf_is_keyed_by_it() -> None:
+    """Whether an argument has a history is part of a body's identity once its code looks (the key holds
+    requires_grad only): the first layer gets the leaf input, the second a computed one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_LeafAware(), _LeafAware())
+    x = torch.randn(2, 4, requires_grad=True)
+    check_against_eager(model, x)
+    explained = efx.explain(model, x).regions["_LeafAware.forward"]
+    assert len(explained.bodies) == 2 and "x.is_leaf: True -> False" in explained.bodies[1].reason

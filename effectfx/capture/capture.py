@@ -43,8 +43,14 @@ def _active(tracer: Tracer) -> Iterator[None]:
     # autocast caches its casts of leaf tensors (weights): a cast made by eager code must not leak into
     # the trace, nor a fake one made by the trace into the user's eager code
     torch.clear_autocast_cache()
+    # under inference_mode the trace runs as under no_grad (what inference_mode is, for the graph): fake
+    # views of a parameter need version counters, which inference tensors cannot have; the program runs
+    # in the caller's inference_mode, so its results are inference tensors as eager's are
+    inference = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    grad = torch.is_grad_enabled()  # (leaving inference_mode enables grad mode)
     try:
-        with frames_forgotten(), capture_prints(tracer), tracer.fake_mode, tracer:
+        with inference, torch.set_grad_enabled(grad), frames_forgotten(), \
+                capture_prints(tracer), tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous

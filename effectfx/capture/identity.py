@@ -208,7 +208,8 @@ def resolve(path: tuple, leaves: Sequence[Any]) -> Any:
         if value is MISSING:
             return MISSING
         owner, value = value, step(value, s)
-        if not hasattr(type(owner), "__efx_watched__"):  # a watched object reports its own reads
+        if not hasattr(type(owner), "__efx_watched__") and not isinstance(owner, torch.Tensor):
+            # (a watched object reports its own reads; a tensor's autograd state is its caller's own)
             value = report_read(owner, s, value, watch=False)
     return value
 

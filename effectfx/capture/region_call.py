@@ -390,6 +390,7 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     reads = labels.reads = Reads(tracer.watcher, structural=True, on_label=labels.make)
     names = leaf_names(region.fn, args, kwargs)
     new_leaves = list(leaves)
+    leafness: dict[int, bool] = {}  # per tensor argument: whether it was a leaf of autograd (no history)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             if call is not None:
@@ -397,6 +398,7 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
             else:
                 meta = leaf_of_key(key, i) if key is not None else TensorMeta.of(leaf)
                 nonleaf = not leaf.is_leaf
+            leafness[i] = not nonleaf
             fake = tracer.new_fake(meta)
             scope.add_input(names[i], OperandSource("arg", i), fake)
             new_leaves[i] = scope.writable(fake, nonleaf=nonleaf)
@@ -408,6 +410,7 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     # labels live only in bodies: the root's own calls (and the bookkeeping of its call sites) skip the mode
     label_mode = contextlib.nullcontext() if tracer.region_stack else tracer.label_mode
     tracer.region_stack.append(region)
+    grad_state_reads = tracer.label_mode.grad_state_reads
     # autocast's cached casts of weights are values of the graph that made them: a body neither reads its
     # caller's (nor an earlier trace's, a partial backward's retrace) nor leaves its own to its caller
     torch.clear_autocast_cache()
@@ -422,6 +425,11 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     finally:
         tracer.region_stack.pop()
         torch.clear_autocast_cache()
+    if tracer.label_mode.grad_state_reads > grad_state_reads:
+        # the code looked at autograd state (``x.is_leaf``, ``x.grad_fn is None``): whether each tensor
+        # argument has a history is part of what the body is for (the key has its requires_grad)
+        for i, leaf in leafness.items():
+            reads.guards.setdefault((("leaf", i), "is_leaf"), ("=", bool, leaf))
     return traced, tuple(reads.guards.items())
 
 

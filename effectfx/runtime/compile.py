@@ -50,8 +50,10 @@ BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
-    # a plain tuple: cheaper on every call than TensorMeta.of, same fields
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    # a plain tuple: cheaper on every call than TensorMeta.of, same fields; a tensor that requires grad
+    # and has a history is its own case (code may read ``x.is_leaf``, and the trace follows it)
+    grad = t.requires_grad and (t.is_leaf or "non-leaf")
+    return (t.shape, t.stride(), t.dtype, t.device, grad)
 
 
 def _same_tensors(leaves: Any) -> tuple:
