@@ -770,3 +770,20 @@ def test_a_tensor_a_region_kept_in_python_state_is_refused_with_both_causes() ->
 
     with pytest.raises(efx.CaptureError, match=r"kept in Python state.*return it from the region"):
         efx.compile(f)(torch.randn(2))
+
+
+def test_a_saved_tensor_updated_in_place_is_refused_before_any_effect() -> None:
+    """Eager's forward runs and only its backward fails; effectfx derives the backward at capture, so it
+    refuses there -- with its own error naming the line, before any effect ran -- not torch's raw one."""
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        torch.ops.efxtest.record_memory("f")
+        h = x @ w  # saves x for w's gradient
+        x.mul_(2)
+        return h + x
+
+    with recording() as log, pytest.raises(efx.CaptureError, match=r"autograd failed.*test_bad_inputs.*"
+                                                                    r"modified by an inplace operation"):
+        efx.compile(f)(torch.randn(2, 4, requires_grad=True) * 1.0)
+    assert log == []

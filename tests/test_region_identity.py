@@ -383,6 +383,29 @@ def test_unwatchable_object_is_guarded_by_its_state() -> None:
     assert torch.equal(compiled(x), x)
 
 
+class _NamespaceConfigured(nn.Module):
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cfg = types.SimpleNamespace(gain=gain)
+
+    @efx.region
+    def forward(self, x):
+        return self.lin(x) * self.cfg.gain
+
+
+def test_equal_namespace_configs_share_a_body() -> None:
+    """A SimpleNamespace per layer (unwatchable: guarded by its whole state) is compared by value: equal
+    ones share a body, a different one gets its own and explain shows both values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NamespaceConfigured(1.0), _NamespaceConfigured(1.0), _NamespaceConfigured(0.5))
+    x = torch.randn(2, 4, requires_grad=True)
+    check_against_eager(model, x)
+    explained = efx.explain(model, x).regions["_NamespaceConfigured.forward"]
+    assert [b.calls for b in explained.bodies] == [2, 1]
+    assert "1.0" in explained.bodies[1].reason and "0.5" in explained.bodies[1].reason
+
+
 def test_region_method_called_twice_on_one_module_shares_its_body() -> None:
     # the module is watched (its class swapped) after the first call; the key holds its own class
     lin = nn.Linear(4, 4)

@@ -88,6 +88,8 @@ def freeze(value: Any, depth: int = 0) -> Any:
         items = tuple((freeze(k, depth + 1), freeze(v, depth + 1)) for k, v in value.items())
     elif isinstance(value, (set, frozenset)):
         items = tuple(sorted((freeze(v, depth + 1) for v in value), key=repr))
+    elif type(value) is types.SimpleNamespace:  # a config object: its attributes are all it is
+        items = tuple((k, freeze(v, depth + 1)) for k, v in vars(value).items())
     elif type(value) is functools.partial and isinstance(value.func, _FUNCTIONS):
         # an activation such as ``partial(F.gelu, approximate="tanh")``, one per layer: equal when it
         # calls the same function with equal arguments

@@ -317,7 +317,13 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
                 grads = torch.autograd.grad(diff_outs, wrt, tangents, allow_unused=True) if wrt else ()
         except RuntimeError as exc:
             if "use_reentrant=True" not in str(exc):
-                raise
+                raise CaptureError(
+                    f"{where}: autograd failed while effectfx derived its backward, at capture (captured at "
+                    f"{user_location()}): {str(exc).splitlines()[0]}\nEager raises such an error only at "
+                    "backward() (a tensor saved for the backward updated in place afterwards, say); effectfx "
+                    "derives the backward while capturing. Update a clone, or run the code under "
+                    "torch.no_grad() when it needs no gradient."
+                ) from exc
             raise UnsupportedOperatorError(
                 f"{where} calls torch.utils.checkpoint with use_reentrant=True (captured at "
                 f"{user_location()}): effectfx derives the backward with torch.autograd.grad, which "
