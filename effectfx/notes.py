@@ -68,6 +68,11 @@ rest of the capture (``efx.explain`` says why): its code reads a tensor's autogr
 (``x.requires_grad``, ``grad_fn``...), its autograd graph holds an ``autograd.Function`` of the code's own
 (which may look at ``ctx.needs_input_grad``; a custom op's registered formula is an op), it updates an
 operand in place, or its backward has effects -- eager runs a formula only for the gradients it needs.
+Every body is checked so when traced, promoted or not (a body first traced for a call whose arguments
+needed a gradient may later be asked to serve one whose do not), and a body that looked at autograd state
+makes every trace calling it count as looking too.  Code that looks at autograd state (``x.is_leaf``)
+also makes whether each tensor argument has a history part of the body's identity, and so does autocast,
+which caches its casts of leaves that require grad: under autocast nothing is promoted.
 
 Operands are the tensor arguments, then *lifted* tensors and labels in order of first use: the module's
 parameters, buffers and plain tensor attributes by name (so N blocks with different weights share one

@@ -236,3 +236,66 @@ def test_an_output_reaching_only_a_promoted_input_through_a_nested_region() -> N
     check_against_eager(f, torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
     got = efx.compile(f)(torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
     assert [t.requires_grad for t in got] == [False, True]
+
+
+class ReadsRequiresGradLater(Named):
+    @efx.region
+    def forward(self, x):
+        return self.lin(x) * (2.0 if x.requires_grad else 3.0)
+
+
+def test_a_body_traced_where_nothing_was_promoted_is_checked_too() -> None:
+    """The body of the call whose input needs a gradient comes first; a later call whose input needs none
+    must not reuse it when it read autograd state (the checks run on every body, not only promoted traces)."""
+    torch.manual_seed(0)
+    layer = ReadsRequiresGradLater("layer")
+    check_against_eager(lambda x, y: (layer(x), layer(y)), torch.randn(2, 4, requires_grad=True),
+                        torch.randn(2, 4))
+
+
+@efx.region
+def _reads_requires_grad(x, w):
+    return x * w * (2.0 if x.requires_grad else 3.0)
+
+
+@efx.region
+def _calls_the_reader(x, w):
+    return _reads_requires_grad(x, w) + 1
+
+
+def test_a_nested_body_reused_inside_a_promoted_trace_counts() -> None:
+    """The nested body was traced before (with an argument that needed a gradient); the outer promoted
+    trace reuses it, so its reads happened in no trace of the outer's: each of its calls reports them."""
+    w = torch.randn(4, requires_grad=True)
+
+    def f(x, y):
+        return _reads_requires_grad(x, w), _calls_the_reader(y, w)
+
+    check_against_eager(f, torch.randn(4, requires_grad=True), torch.randn(4))
+
+
+class TwoUses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    @efx.region
+    def forward(self, x):
+        return torch.tanh(self.a(x)) * self.b(x) + x  # two casts of x, or one cached: autocast caches leaves
+
+
+@pytest.mark.parametrize("kind", ["no grad", "leaf", "computed"])
+def test_autocast_casts_the_input_as_eager_does(kind: str) -> None:
+    """Autocast caches its cast of a leaf that requires grad: a body traced with a leaf input casts it once
+    (its gradients summed in bfloat16), eager's later layers cast per use. Leaf-ness is part of a body's
+    identity under autocast, and nothing is promoted there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TwoUses(), TwoUses(), TwoUses())
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x * 1.0 if kind == "computed" else x).float()
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(kind != "no grad")
+    check_against_eager(f, x, forms=())

@@ -29,6 +29,7 @@ from ..regions import Region
 from .graph_builder import node_name
 from .identity import (
     ModuleWalk,
+    ambient,
     ambient_context,
     call_key,
     code_reads,
@@ -72,6 +73,9 @@ class RegionBody:
     partial: dict[tuple[bool, ...], PartialBackward] = field(default_factory=dict)  # by outputs with grads
     # a backward without the gradients of promoted operands: (its attr, which it keeps) -> (module, metas)
     restricted: dict[tuple[str, tuple[bool, ...]], tuple[fx.GraphModule, list]] = field(default_factory=dict)
+    unpromotable: str | None = None  # why it cannot serve calls promoted to require grad, if it cannot
+    # its trace (or a region it calls) looked at autograd state or ran an autograd.Function of the code's
+    grad_sensitive: bool = False
     _saved_values: list[torch.Tensor] | None = None
 
     def saved_values(self, tracer: Tracer) -> list[torch.Tensor]:
@@ -297,13 +301,18 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         # Note [Region identity], promotion: arguments without grad share the body of those with it
         pkey = promoted_key(key, leaves)
         if pkey is not None and region.fn not in tracer.unpromotable:
-            body = _find(tracer, region, pkey, leaves) or _trace_body(
-                tracer, region, pkey, leaves, spec, args, kwargs, promoted=True)
+            body = _find(tracer, region, pkey, leaves)
+            if body is not None and body.unpromotable is not None:  # traced where nothing was promoted
+                tracer.unpromotable[region.fn], body = body.unpromotable, None
+            elif body is None:
+                body = _trace_body(tracer, region, pkey, leaves, spec, args, kwargs, promoted=True)
             if body is not None:
                 key, promoted = pkey, True
         if body is None:
             body = _trace_body(tracer, region, key, leaves, spec, args, kwargs)
     tracer.region_calls[body.identifier] = tracer.region_calls.get(body.identifier, 0) + 1
+    if body.grad_sensitive:  # so is every trace calling it (promotion, is_leaf guards): its reads count there
+        tracer.label_mode.grad_state_read()
     traced = body.traced
     operands: list[Any] = []
     for src in traced.sources:
@@ -425,9 +434,10 @@ def _trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: t
     finally:
         tracer.region_stack.pop()
         torch.clear_autocast_cache()
-    if tracer.label_mode.grad_state_reads > grad_state_reads:
-        # the code looked at autograd state (``x.is_leaf``, ``x.grad_fn is None``): whether each tensor
-        # argument has a history is part of what the body is for (the key has its requires_grad)
+    if tracer.label_mode.grad_state_reads > grad_state_reads or any(ambient()[1:]):
+        # the code looked at autograd state (``x.is_leaf``, ``x.grad_fn is None``), or autocast caches its
+        # casts of leaves that require grad: whether each tensor argument has a history is part of what the
+        # body is for (the key has its requires_grad)
         for i, leaf in leafness.items():
             reads.guards.setdefault((("leaf", i), "is_leaf"), ("=", bool, leaf))
     return traced, tuple(reads.guards.items())
@@ -442,22 +452,25 @@ def _trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spe
     identifier = tracer.next_identifier()
     start = time.perf_counter()
     traced: TracedGraph | None = None
+    why: str | None = None
     try:
         traced, guards = _trace(tracer, region, leaves, spec, args, kwargs, key=key if promoted else None)
     except (EffectfxError, RuntimeError) as exc:
         if not promoted:
             raise
-        why: str | None = f"its trace failed ({type(exc).__name__})"  # an exact trace says why, if it must
-    if promoted:
-        if traced is not None:
-            why = _unpromotable(traced, tracer.label_mode.grad_state_reads - reads)
-        if why is not None:
-            tracer.restore_region_state(state)
-            tracer.unpromotable[region.fn] = why
-            return None  # type: ignore[return-value]
+        why = f"its trace failed ({type(exc).__name__})"  # an exact trace says why, if it must
+    reads = tracer.label_mode.grad_state_reads - reads
+    if traced is not None:
+        why = _unpromotable(traced, reads)
+    if promoted and why is not None:
+        tracer.restore_region_state(state)
+        tracer.unpromotable[region.fn] = why
+        return None  # type: ignore[return-value]
     assert traced is not None
     body = RegionBody(identifier, region, key, guards, traced, "",
-                      key_labels(leaf_names(region.fn, args, kwargs)), time.perf_counter() - start)
+                      key_labels(leaf_names(region.fn, args, kwargs)), time.perf_counter() - start,
+                      unpromotable=why,
+                      grad_sensitive=bool(reads) or (traced.backward is not None and traced.custom_autograd))
     traced.forward.meta["effectfx_region"] = (region, body.cache_key, identifier, "forward")
     if traced.backward is not None:
         traced.backward.meta["effectfx_region"] = (region, body.cache_key, identifier, "backward")
@@ -474,7 +487,8 @@ def _unpromotable(traced: TracedGraph, grad_state_reads: int) -> str | None:
     if traced.mutated:
         return "it updates an operand in place"
     if grad_state_reads:
-        return "its code reads a tensor's autograd state (requires_grad, grad_fn, is_leaf or grad)"
+        return ("its code (or a region it calls) reads a tensor's autograd state (requires_grad, grad_fn, "
+                "is_leaf or grad) or calls an autograd.Function")
     if traced.backward is None:
         return None
     if traced.custom_autograd:
