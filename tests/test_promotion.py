@@ -299,3 +299,5 @@ def test_autocast_casts_the_input_as_eager_does(kind: str) -> None:
 
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(kind != "no grad")
     check_against_eager(f, x, forms=())
+    if kind == "no grad":
+        assert "autocast is on" in str(efx.explain(f, x))

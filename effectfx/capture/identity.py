@@ -122,7 +122,7 @@ def promoted_key(key: tuple, leaves: Sequence[Any]) -> tuple | None:
     promoted to require it, when another of its tensors does (Note [Region identity], promotion): the
     first layer of a stack, whose input needs no gradient, shares the body of the others.  None when
     nothing is promoted."""
-    if not key[0][0] or any(key[0][1:]):  # (under autocast a leaf's casts are cached: it is not promoted)
+    if not key[0][0]:
         return None
     parts, promoted, needs_grad = list(key), False, False
     for i, leaf in enumerate(leaves):

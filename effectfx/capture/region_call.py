@@ -300,6 +300,10 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     if body is None:
         # Note [Region identity], promotion: arguments without grad share the body of those with it
         pkey = promoted_key(key, leaves)
+        if pkey is not None and any(key[0][1:]):  # autocast caches its casts of leaves requiring grad
+            why = "autocast is on, and it casts a leaf that requires grad once for all its uses"
+            tracer.unpromotable.setdefault(region.fn, why)
+            pkey = None
         if pkey is not None and region.fn not in tracer.unpromotable:
             body = _find(tracer, region, pkey, leaves)
             if body is not None and body.unpromotable is not None:  # traced where nothing was promoted
