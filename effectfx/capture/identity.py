@@ -25,6 +25,7 @@ from .reads import (
     MISSING,
     Label,
     Ref,
+    active_reads,
     class_of,
     expectation,
     freeze,
@@ -204,11 +205,12 @@ def resolve(path: tuple, leaves: Sequence[Any]) -> Any:
     module whose call reuses a body."""
     root = path[0]
     value = leaves[root[1]] if root[0] == "leaf" else root[1].obj
+    recorded = bool(active_reads())
     for s in path[1:]:
         if value is MISSING:
             return MISSING
         owner, value = value, step(value, s)
-        if not hasattr(type(owner), "__efx_watched__") and not isinstance(owner, torch.Tensor):
+        if recorded and not hasattr(type(owner), "__efx_watched__") and not isinstance(owner, torch.Tensor):
             # (a watched object reports its own reads; a tensor's autograd state is its caller's own)
             value = report_read(owner, s, value, watch=False)
     return value
@@ -224,26 +226,47 @@ def guards_hold(guards: tuple, leaves: Sequence[Any]) -> bool:
     return True
 
 
-def object_guards(guards: tuple) -> tuple[tuple[tuple[Any, str, Any], ...], tuple]:
+def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple]:
     """A compiled program's guards split for its hot path: ``(object, attribute, value)`` for a plain value
     read straight off an object (most of them: ``training``, config fields), checked with one getattr and
-    one comparison; the rest as general guards."""
-    fast, rest = [], []
+    one comparison; ``(object, attributes, object)`` for an object reached through attributes (a layer's
+    submodule, every call site's), checked by identity; the rest as general guards."""
+    fast, same, rest = [], [], []
     for path, expect in guards:
-        if (len(path) == 2 and path[0][0] == "id" and isinstance(path[1], str) and expect[0] == "="
-                and expect[1] in (bool, int, float, str, type(None))):
-            fast.append((path[0][1].obj, path[1], expect[2]))
+        steps = path[1:]
+        if path[0][0] != "id" or not all(isinstance(s, str) for s in steps):
+            rest.append((path, expect))
+        elif len(steps) == 1 and expect[0] == "=" and expect[1] in (bool, int, float, str, type(None)):
+            fast.append((path[0][1].obj, steps[0], expect[2]))
+        elif expect[0] == "is" or (expect[0] == "=" and expect[1] is type(None)):
+            same.append((*_first_step(path[0][1].obj, steps[0]), steps[1:],
+                         expect[1].obj if expect[0] == "is" else None))
         else:
             rest.append((path, expect))
-    return tuple(fast), tuple(rest)
+    return tuple(fast), tuple(same), tuple(rest)
 
 
-def object_guards_hold(fast: tuple, rest: tuple) -> bool:
+def object_guards_hold(fast: tuple, same: tuple, rest: tuple) -> bool:
     for obj, name, value in fast:
         got = getattr(obj, name, MISSING)
         if got is not value and (type(got) is not type(value) or got != value):
             return False
+    for holder, first, steps, value in same:
+        obj = holder.get(first, MISSING) if type(holder) is dict else getattr(holder, first, MISSING)
+        for name in steps:
+            obj = getattr(obj, name, MISSING)
+        if obj is not value:
+            return False
     return guards_hold(rest, ())
+
+
+def _first_step(obj: Any, name: str) -> tuple[Any, str]:
+    """Where a guard's first read looks: a submodule straight in its module's ``_modules`` (what
+    ``nn.Module.__getattr__`` would find, without its Python-level lookup), else the object itself."""
+    if (isinstance(obj, torch.nn.Module) and name in obj._modules and name not in vars(obj)
+            and not hasattr(type(obj), name)):
+        return obj._modules, name
+    return obj, name
 
 
 def failed_guards(guards: tuple, leaves: Sequence[Any]) -> list[tuple[tuple, tuple, Any]]:
