@@ -199,10 +199,11 @@ def step(value: Any, s: Any) -> Any:
         return MISSING
 
 
-def resolve(path: tuple, leaves: Sequence[Any]) -> Any:
+def resolve(path: tuple, leaves: Sequence[Any], reported: dict | None = None) -> Any:
     """The value at ``path`` from a call site's arguments.  Every step is a read its caller depends on
     (the caller's recorders see it: Note [Region identity]), also from an object no trace watches -- a
-    module whose call reuses a body."""
+    module whose call reuses a body.  ``reported``: the reads made so far for one call site (guards share
+    their first steps), reported once each."""
     root = path[0]
     value = leaves[root[1]] if root[0] == "leaf" else root[1].obj
     recorded = bool(active_reads())
@@ -212,13 +213,20 @@ def resolve(path: tuple, leaves: Sequence[Any]) -> Any:
         owner, value = value, step(value, s)
         if recorded and not hasattr(type(owner), "__efx_watched__") and not isinstance(owner, torch.Tensor):
             # (a watched object reports its own reads; a tensor's autograd state is its caller's own)
-            value = report_read(owner, s, value, watch=False)
+            key = (id(owner), s)
+            if reported is not None and key in reported:
+                value = reported[key]
+            else:
+                value = report_read(owner, s, value, watch=False)
+                if reported is not None:
+                    reported[key] = value
     return value
 
 
 def guards_hold(guards: tuple, leaves: Sequence[Any]) -> bool:
+    reported: dict = {}
     for path, expect in guards:
-        value = resolve(path, leaves)
+        value = resolve(path, leaves, reported)
         if isinstance(value, Label) and expect[0] == "=":
             Label.mark_used(value)  # the body depends on the value: so does its caller
         if not satisfies(value, expect):

@@ -51,22 +51,29 @@ def recording(reads: Reads) -> Iterator[Reads]:
         stack.pop()
 
 
-class Ref:
-    """A path root that is one particular object: hashed by identity, holding the object alive."""
+class Ref(int):
+    """A path root that is one particular object: equal and hashed by identity (as the int ``id(obj)``,
+    so in C: guards hold thousands of these), holding the object alive.  Paths never hold a plain int
+    where a Ref stands."""
 
-    __slots__ = ("obj",)
+    obj: Any
 
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Ref) and other.obj is self.obj
+    def __new__(cls, obj: Any) -> Ref:
+        ref = super().__new__(cls, id(obj))
+        ref.obj = obj
+        return ref
 
     def __repr__(self) -> str:
         return f"<{type(self.obj).__name__}>"
+
+    def __copy__(self) -> Ref:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Ref:  # a copy refers to the very object
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a guard's reference to a live object cannot be pickled")
 
 
 def plain_value(value: Any) -> bool:
