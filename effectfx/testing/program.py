@@ -203,9 +203,10 @@ class ProgramSpec:
                     if s.kind in CALL_KINDS or s.kind == "blocks"), default=0)
 
     def reached(self) -> set[str]:
-        """The regions a run calls (through forward and the blocks' shared method)."""
-        todo = [s.op for _, b in (("forward", self.forward), ("step", self.block_body)) if b is not None
-                for s in self._calls(b)]
+        """The regions a run calls (through forward, and the blocks' shared method when forward runs them)."""
+        runs_blocks = any(s.kind == "blocks" for s in self.forward.stmts)
+        bodies = (self.forward, self.block_body if runs_blocks else None)
+        todo = [s.op for b in bodies if b is not None for s in self._calls(b)]
         seen: set[str] = set()
         while todo:
             name = todo.pop()
