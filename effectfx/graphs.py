@@ -162,5 +162,12 @@ class GraphModule(_LazyGraphModule):
             _RUNTIME.active, _RUNTIME.calls = previous
 
 
+def node_name(target: Any) -> str | None:
+    # name aten nodes after the op ("add", "record_memory"), as the seed's graphs read
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    return None
+
+
 def graph_module(root: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
     return GraphModule(root, graph, class_name)

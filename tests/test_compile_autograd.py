@@ -4,6 +4,8 @@ effect logs against eager, for every scenario the issue lists; plus the structur
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -354,6 +356,27 @@ def test_a_region_returning_a_transposed_view_takes_its_caller_s_gradient() -> N
 
     check_against_eager(f, leaf_input(2, 3, 4))
     check_against_eager(f, torch.randn(2, 3, 4))
+
+
+def test_golden_a_transposed_gradient_is_made_contiguous_at_the_call_site() -> None:
+    """The caller transposes the region's transposed result back: the gradient it hands the region is a
+    transposed view, copied contiguous in the caller's backward graph before the region's backward call."""
+    def f(x):
+        return (_transposed(x).transpose(0, 1) * 2).sum()
+
+    check_against_eager(f, leaf_input(2, 3, 4))
+    root = efx.capture(f, leaf_input(2, 3, 4)).backward.code().split("\n\n# ")[0]
+    assert root == textwrap.dedent("""\
+        def forward(self, lifted, getitem_1, tangent_0):
+            expand = torch.ops.aten.expand.default(tangent_0, [2, 3, 4])
+            mul_1 = torch.ops.aten.mul.Tensor(expand, 2)
+            transpose_1 = torch.ops.aten.transpose.int(mul_1, 0, 1)
+            clone = torch.ops.aten.clone.default(transpose_1, memory_format = torch.contiguous_format)
+            _transposed_subgraph0_backward = self._transposed_subgraph0_backward
+            invoke_subgraph = effectfx.ops.invoke_subgraph(_transposed_subgraph0_backward, 'subgraph_0', lifted, getitem_1, clone)
+            getitem = invoke_subgraph[0]
+            getitem_2 = invoke_subgraph[1]
+            return (getitem, getitem_2)""")  # noqa: E501  (golden graph text)
 
 
 def test_a_transposed_output_of_the_compiled_function_takes_any_gradient() -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..graphs import Graph, graph_module
+from ..graphs import Graph, graph_module, node_name
 from ..passes.dce import is_effectful
 
 
@@ -72,6 +72,26 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) ->
         args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
         copy = env[node] = graph.create_node(node.op, node.target, args, kwargs, node.name, node.type)
         copy.meta.update(node.meta)
+
+
+def without_gradients(backward: fx.GraphModule, keep: tuple[bool, ...]) -> fx.GraphModule:
+    """``backward`` returning only the gradients in ``keep`` (None for the others), with only the nodes
+    those and its effects read, named afresh: it reads as if traced without the others."""
+    nodes = list(backward.graph.nodes)
+    outs = [o if k else None for o, k in zip(nodes[-1].args[0], keep)]
+    inside = set(nodes[:-1])
+    live = _live([o for o in outs if o is not None] + _effectful_nodes(nodes[:-1]), inside)
+    graph, env = Graph(), {}
+    for node in nodes[:-1]:
+        if node.op == "placeholder" or node in live:
+            args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+            name = node.name if node.op in ("placeholder", "get_attr") else node_name(node.target)
+            env[node] = graph.create_node(node.op, node.target, args, kwargs, name, node.type)
+            env[node].meta.update(node.meta)
+    graph.output(tuple(env[o] if o is not None else None for o in outs))
+    module = graph_module(backward, graph, "Backward")
+    module.meta.update(backward.meta)
+    return module
 
 
 def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = False) -> Partition:

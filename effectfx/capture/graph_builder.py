@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graphs import Graph, graph_module
+from ..graphs import Graph, graph_module, node_name
 
 # argument values FX writes into generated code as literals; anything else (a torchbind object, a
 # ProcessGroup, a Generator) would be written as its repr -- ``<torch.ScriptObject object at 0x..>``, a
@@ -38,13 +38,6 @@ def _any_opaque(values: Any) -> bool:
         if type(v) not in _LITERAL_TYPES and _opaque(v):
             return True
     return False
-
-
-def node_name(target: Any) -> str | None:
-    # name aten nodes after the op ("add", "record_memory"), as the seed's graphs read
-    if isinstance(target, torch._ops.OpOverload):
-        return target._opname
-    return None
 
 
 class GraphBuilder:

@@ -51,6 +51,12 @@ class TensorMeta:
         return f"{dt}{list(self.shape)}{layout}" + ("(grad)" if self.requires_grad else "")
 
 
+def tangents_of(grads: tuple, mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
+    """The gradients a backward graph takes, of the outputs ``mask`` marks differentiable: contiguous, as
+    it was traced (``TensorMeta.tangent``; a copy only where one is not)."""
+    return [g if g is None or g.is_contiguous() else g.contiguous() for g, m in zip(grads, mask) if m]
+
+
 @dataclass(frozen=True)
 class OperandSource:
     """Where a graph input comes from at a call site (Note [Region identity]).

@@ -22,11 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_leaf, tree_unflatten
 
 from .. import ops
+from ..autograd.partition import without_gradients
 from ..errors import CaptureError, EffectfxError, RegionRecursionError, UnsupportedMutationError
-from ..graphs import Graph, graph_module
 from ..passes.dce import is_effectful
 from ..regions import Region
-from .graph_builder import node_name
 from .identity import (
     ModuleWalk,
     ambient,
@@ -40,7 +39,15 @@ from .identity import (
     promoted_key,
     resolve,
 )
-from .meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
+from .meta import (
+    OperandSource,
+    TensorMeta,
+    TracedGraph,
+    mask_text,
+    same_forward,
+    saved_positions,
+    tangents_of,
+)
 from .python_print import region_result_grad_fn
 from .reads import Reads, raw, recording, report_read
 from .source import definition, user_location
@@ -241,9 +248,7 @@ class RegionCall(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:  # type: ignore[override]
         body: RegionBody = ctx.body
         traced = body.traced
-        # backward graphs take contiguous gradients (TensorMeta.tangent): the copy is recorded where needed
-        tangents = [g if g is None or g.is_contiguous() else g.contiguous()
-                    for g, m in zip(grads, traced.tangent_mask) if m]
+        tangents = tangents_of(grads, traced.tangent_mask)  # a copy made here is recorded in the graph
         live = tuple(g is not None for g in tangents)
         if ctx.saved and ctx.saved[0].graph is not ctx.tracer.builder.graph:
             raise CaptureError(
@@ -508,28 +513,8 @@ def _restricted(body: RegionBody, backward: fx.GraphModule, attr: str, grad_meta
     operands a call site promoted are not computed (Note [Region identity]).  Made once per backward."""
     found = body.restricted.get((attr, keep))
     if found is None:
-        nodes = list(backward.graph.nodes)
-        outs = [o if k else None for o, k in zip(nodes[-1].args[0], keep)]
-        live: set[fx.Node] = set()  # what the gradients kept read, and every effect (there should be none)
-        stack = [o for o in outs if o is not None] + [n for n in nodes[:-1] if n.op == "call_function"
-                                                       and is_effectful(n)]
-        while stack:
-            node = stack.pop()
-            if node not in live:
-                live.add(node)
-                stack.extend(node.all_input_nodes)
-        # the live nodes, named afresh: the graph reads as if traced without those gradients
-        graph, env = Graph(), {}
-        for node in nodes[:-1]:
-            if node.op == "placeholder" or node in live:
-                args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
-                name = node.name if node.op in ("placeholder", "get_attr") else node_name(node.target)
-                env[node] = graph.create_node(node.op, node.target, args, kwargs, name, node.type)
-                env[node].meta.update(node.meta)
-        graph.output(tuple(env[o] if o is not None else None for o in outs))
-        module = graph_module(backward, graph, "Backward")
-        module.meta.update(backward.meta)
-        found = body.restricted[(attr, keep)] = (module, [m if k else None for m, k in zip(grad_meta, keep)])
+        found = body.restricted[(attr, keep)] = (without_gradients(backward, keep),
+                                                 [m if k else None for m, k in zip(grad_meta, keep)])
     return found
 
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .. import ops
-from ..capture.meta import TensorMeta, same_forward, saved_positions
+from ..capture.meta import TensorMeta, same_forward, saved_positions, tangents_of
 from ..errors import PartialBackwardError, SignatureMismatchError, UnsupportedMutationError
 from .printing import program_text, subgraphs
 
@@ -246,9 +246,7 @@ class _RunTraining(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:  # type: ignore[override]
         prog: TrainingProgram = ctx.prog
-        # the backward graph was traced with contiguous gradients (Note [Joint trace])
-        tangents = [g if g is None or g.is_contiguous() else g.contiguous()
-                    for g, m in zip(grads, prog.tangent_mask) if m]
+        tangents = tangents_of(grads, prog.tangent_mask)
         live = tuple(g is not None for g in tangents)
         if not all(live) and prog.covers(live):  # the full backward runs the same formulas: zeros are exact
             tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
