@@ -207,8 +207,8 @@ def hop_lowering(prog: Any) -> Any:
 
 
 def register_hop_backend() -> None:
-    from effectfx.functionalize import thread_tokens
+    from effectfx.drivers.compile import BACKEND_PASSES
     from effectfx.passes.remove_tokens import remove_effect_tokens_pass
-    from effectfx.runtime.compile import BACKEND_PASSES
+    from effectfx.passes.thread_tokens import thread_tokens
 
     BACKEND_PASSES["inductor_hop"] = [thread_tokens, remove_effect_tokens_pass, hop_lowering]

@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import ops
-from .capture.capture import capture
+from .drivers.capture import capture
+from .drivers.compile import CompiledCallable, compile
 from .effects import effect_of, register_effect
 from .errors import (
     BackendError,
@@ -35,19 +36,18 @@ from .errors import (
 from .passes.dce import dead_code_elimination
 from .passes.remove_tokens import remove_effect_tokens
 from .passes.unlift import unlift_tokens
-from .regions import region
-from .runtime.compile import CompiledCallable, compile
-from .runtime.program import Program, TrainingProgram
+from .program.program import Program, TrainingProgram
+from .regions.decorator import region
 
 if TYPE_CHECKING:
     from .explanation import Explanation, explain
     from .passes.verify import verify
-    from .runtime.serialize import load
+    from .program.program import load
 
 # Imported on first use (PEP 562), not by ``import effectfx``: a capture never needs them, and every module
 # spared here is time a user's first ``import effectfx`` does not pay.
 _LAZY = {
-    "explain": "explanation", "Explanation": "explanation", "load": "runtime.serialize",
+    "explain": "explanation", "Explanation": "explanation", "load": "program.program",
     "verify": "passes.verify",
 }
 

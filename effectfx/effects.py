@@ -1,14 +1,14 @@
 """The effect registry: the one source of truth for "is this op effectful, and on which key?".
 
 See Note [Effect tokens] in ``effectfx.notes``.  Every pass (functionalization, DCE, the verifier, token
-removal) asks :func:`effect_of`; nothing else decides.  Ops that PyTorch itself marks ORDERED (for example
-``aten::_print``) are effectful with key ``"ordered"`` unless registered here with another key, and so is a
-custom op that returns nothing and mutates nothing: it exists only for its side effect.
+removal) asks :func:`effect_of`, through ``effectfx.graph.walk`` for graph nodes; nothing else decides.
+Ops that PyTorch itself marks ORDERED (for example ``aten::_print``) are effectful with key ``"ordered"``
+unless registered here with another key, and so is a custom op that returns nothing and mutates nothing:
+it exists only for its side effect.
 """
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -188,60 +188,3 @@ def implicit_effects() -> tuple[str, ...]:
 def registered_effects() -> dict[str, str]:
     """A copy of the explicit registrations (qualified name -> key)."""
     return dict(_REGISTRY)
-
-
-# -- effects of graph nodes ----------------------------------------------------------------------
-# The questions DCE, partitioning and the verifier ask about FX nodes, answered from the registry.
-
-_NONE: frozenset[str] = frozenset()
-
-
-def node_effect_keys(node: Any) -> frozenset[str]:
-    """The effect keys a node performs: its op's key, or every key inside a region it calls."""
-    from . import ops
-
-    if node.op != "call_function":
-        return frozenset()
-    target = node.target
-    if target is operator.getitem:  # most nodes of a graph of region calls: answered at once
-        return _NONE
-    if target is ops.with_effects:
-        inner = node.args[1]
-        if inner is ops.invoke_subgraph:
-            return _body_keys(node, 2)
-        if inner in ops.CONTROL_FLOW:
-            return _subgraph_keys(node)
-        key = effect_of(inner)
-        return frozenset([key]) if key else frozenset()
-    if target is ops.invoke_subgraph:
-        return _body_keys(node, 0)
-    if target in ops.CONTROL_FLOW:
-        return _subgraph_keys(node)
-    key = effect_of(target)
-    return frozenset([key]) if key else frozenset()
-
-
-def _body_keys(node: Any, attr_index: int) -> frozenset[str]:
-    attr = node.args[attr_index]
-    body = getattr(node.graph.owning_module, attr.target)
-    return graph_effect_keys(body)
-
-
-def _subgraph_keys(node: Any) -> frozenset[str]:
-    """The keys of the subgraphs a control-flow node runs (Note [Control flow])."""
-    keys: frozenset[str] = frozenset()
-    for a in node.args:
-        if getattr(a, "op", None) == "get_attr":
-            keys |= graph_effect_keys(getattr(node.graph.owning_module, a.target))
-    return keys
-
-
-def graph_effect_keys(gm: Any) -> frozenset[str]:
-    """Every effect key performed by a graph module, its regions included (memoized on the module)."""
-    cached = gm.meta.get("effectfx_effect_keys")
-    if cached is None:
-        keys: set[str] = set()
-        for node in gm.graph.nodes:
-            keys |= node_effect_keys(node)
-        cached = gm.meta["effectfx_effect_keys"] = frozenset(keys)
-    return cached

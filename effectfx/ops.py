@@ -1,12 +1,17 @@
-"""The graph vocabulary of effectfx: the call targets that appear in its FX graphs.
+"""The graph vocabulary of effectfx: the call targets that appear in its FX graphs, and the table of its
+higher-order ops.
 
 See Note [Effect tokens] and Note [Region identity] in ``effectfx.notes``.  These are plain Python
-callables, so running a graph costs one Python call per node, as eager does.
+callables, so running a graph costs one Python call per node, as eager does.  :data:`HOPS` is the one
+table of the targets that run subgraphs (Note [Higher-order ops]): printing, serialization, the rewrites,
+the token passes and the effect walks read it; each family's capture and autograd rules live in
+``effectfx.hops``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,14 +76,34 @@ def scan(combine_graph: Any, init: Any, xs: Any, additional: Any) -> tuple:
     return (*carry, *(torch.stack([s[j] for s in steps]) for j in range(len(steps[0]))))
 
 
-CONTROL_FLOW = (cond, while_loop, scan)
+@dataclass(frozen=True)
+class HopSpec:
+    """One row of :data:`HOPS`: a graph target that runs subgraphs held by its calling graph."""
 
-for _f in (cond, while_loop, scan):
+    target: Callable[..., Any]
+    # the argument tokens lead, a tuple (Note [Control flow]); None: tokens lead the operands themselves,
+    # after the subgraph and its identifier (a region call, Note [Effect tokens])
+    token_arg: int | None
+    note: str  # the Note that defines its calling convention
+    rules: str  # the module holding its capture and autograd rules
+
+    @property
+    def name(self) -> str:
+        """How graphs print it and program files name it (``effectfx.ops.cond``)."""
+        return f"effectfx.ops.{self.target.__name__}"
+
+
+HOPS: dict[Callable[..., Any], HopSpec] = {spec.target: spec for spec in (
+    HopSpec(invoke_subgraph, None, "Region identity", "effectfx.capture.region_call"),
+    HopSpec(cond, 3, "Control flow", "effectfx.hops.cond"),
+    HopSpec(while_loop, 2, "Control flow", "effectfx.hops.loops"),
+    HopSpec(scan, 1, "Control flow", "effectfx.hops.loops"),
+)}
+# the higher-order ops whose tokens lead a tuple argument (their token rules: effectfx.passes.control_flow)
+CONTROL_FLOW = tuple(t for t, spec in HOPS.items() if spec.token_arg is not None)
+# every Python function a graph may call, by its printed name
+TOKEN_OPS = (with_effects, make_token, sink_tokens)
+TARGETS: dict[str, Callable[..., Any]] = {f"effectfx.ops.{f.__name__}": f for f in (*TOKEN_OPS, *HOPS)}
+
+for _f in TARGETS.values():
     _f.__module__ = "effectfx.ops"
-invoke_subgraph.__module__ = "effectfx.ops"
-with_effects.__module__ = "effectfx.ops"
-make_token.__module__ = "effectfx.ops"
-sink_tokens.__module__ = "effectfx.ops"
-
-# Nodes calling these must never be removed by dead-code elimination.
-torch.fx.node._side_effectful_functions.update({with_effects, sink_tokens})

@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 from hypothesis import given, settings
 
-from effectfx.codegen import runtime_code
-from effectfx.graphs import Graph, graph_module
+from effectfx.graph.build import Graph, graph_module
+from effectfx.graph.codegen import runtime_code
 from effectfx.testing.graphs import sample_graph
 
 aten = torch.ops.aten

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import effectfx as efx
-from effectfx.functionalize import discover_effects, thread_tokens
+from effectfx.graph.walk import subgraphs
 from effectfx.passes.pipeline import run_passes
-from effectfx.runtime.printing import subgraphs
+from effectfx.passes.thread_tokens import discover_effects, thread_tokens
 from effectfx.testing import check_against_eager
 from effectfx.testing.models import Block
 

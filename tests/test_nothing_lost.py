@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import effectfx as efx
-from effectfx.capture.capture import _active
-from effectfx.runtime.printing import graph_code
-from effectfx.runtime.serialize import SerializationError
+from effectfx.drivers.capture import _active
+from effectfx.program.printing import graph_code
+from effectfx.program.serialize import SerializationError
 from effectfx.testing import LOG, check_against_eager, recording
 from effectfx.testing.differential import FORMS
 

@@ -229,9 +229,9 @@ def test_a_retrace_that_runs_another_forward_is_refused() -> None:
 
 def test_in_place_simplification_is_the_copying_one() -> None:
     """efx.compile simplifies its own capture in place; the result prints as the copying pass's does."""
-    from effectfx.functionalize import discover_effects
     from effectfx.passes.pipeline import run_passes
     from effectfx.passes.simplify import simplify_for_runtime, simplify_in_place
+    from effectfx.passes.thread_tokens import discover_effects
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     x = torch.randn(2, 4, requires_grad=True)

@@ -8,9 +8,9 @@ import torch
 
 import effectfx as efx
 from effectfx import ops
+from effectfx.graph.walk import subgraphs
 from effectfx.passes.dce import dead_code_elimination_pass
 from effectfx.passes.pipeline import run_passes
-from effectfx.runtime.printing import subgraphs
 from effectfx.testing import check_against_eager, recording
 
 

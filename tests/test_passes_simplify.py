@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import effectfx as efx
-from effectfx.functionalize import discover_effects
 from effectfx.passes.pipeline import run_passes
 from effectfx.passes.simplify import simplify_for_runtime
+from effectfx.passes.thread_tokens import discover_effects
 from effectfx.testing import check_against_eager
 from effectfx.testing.models import Block
 

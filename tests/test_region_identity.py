@@ -447,7 +447,7 @@ def test_the_flat_call_spec_is_pytree_s() -> None:
     """A call site flattens its arguments without pytree when they are all leaves: same leaves, same spec."""
     from torch.utils._pytree import tree_flatten
 
-    from effectfx.capture.region_call import flatten_call
+    from effectfx.capture.arguments import flatten_call
 
     module, x = torch.nn.Linear(2, 2), torch.randn(2)
     for args, kwargs in [((module, x), {}), ((x,), {}), ((x, 3, "name", None, 1.5), {}), ((), {}),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import effectfx as efx
-from effectfx.runtime.serialize import SerializationError
+from effectfx.program.serialize import SerializationError
 from effectfx.testing import recording
 
 

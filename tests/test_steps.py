@@ -16,9 +16,9 @@ import torch.fx as fx
 from hypothesis import given, settings
 
 import effectfx as efx
-from effectfx.codegen import runtime_code
-from effectfx.graphs import GraphModule, graph_module
-from effectfx.steps import INTERPRETED_RUNS, steps_for
+from effectfx.graph.build import GraphModule, graph_module
+from effectfx.graph.codegen import runtime_code
+from effectfx.graph.steps import INTERPRETED_RUNS, steps_for
 from effectfx.testing.effect_ops import recording
 from effectfx.testing.graphs import random_graphs, sample_graph
 from effectfx.testing.models import Stack

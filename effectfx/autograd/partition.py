@@ -10,15 +10,13 @@ Every effectful node survives, in the graph of its phase.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from .. import ops
-from ..graphs import Graph, graph_module, node_name
-from ..passes.dce import is_effectful
+from ..graph.build import Graph, graph_module, node_name
+from ..graph.walk import effectful_nodes
 
 
 @dataclass
@@ -47,25 +45,6 @@ def _live(roots: list[fx.Node], inside: set[fx.Node]) -> set[fx.Node]:
     return live
 
 
-def _effectful_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
-    """The nodes that must survive whatever uses them; a region's effects are asked once per subgraph."""
-    by_attr: dict[fx.Node, bool] = {}
-    found = []
-    for node in nodes:
-        if node.target is operator.getitem:
-            continue
-        if node.target is ops.invoke_subgraph:
-            attr = node.args[0]
-            keep = by_attr.get(attr)
-            if keep is None:
-                keep = by_attr[attr] = is_effectful(node)
-        else:
-            keep = is_effectful(node)
-        if keep:
-            found.append(node)
-    return found
-
-
 def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
     """``graph.node_copy`` of each node, without FX's lookup-table update for the new node's meta."""
     for node in nodes:
@@ -80,7 +59,7 @@ def without_gradients(backward: fx.GraphModule, keep: tuple[bool, ...]) -> fx.Gr
     nodes = list(backward.graph.nodes)
     outs = [o if k else None for o, k in zip(nodes[-1].args[0], keep)]
     inside = set(nodes[:-1])
-    live = _live([o for o in outs if o is not None] + _effectful_nodes(nodes[:-1]), inside)
+    live = _live([o for o in outs if o is not None] + effectful_nodes(nodes[:-1]), inside)
     graph, env = Graph(), {}
     for node in nodes[:-1]:
         if node.op == "placeholder" or node in live:
@@ -102,7 +81,7 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
     backward = {n for n in nodes[:-1] if _is_backward(n)}
     forward = {n for n in nodes[:-1] if n not in backward}
 
-    effectful = _effectful_nodes(nodes[:-1])
+    effectful = effectful_nodes(nodes[:-1])
     live_bwd = _live([g for g in grads if g is not None] + [n for n in effectful if n in backward], backward)
     read = {i for n in live_bwd for i in n._input_nodes if i in forward}
     # a module attribute (a subgraph, a constant) a backward node reads is fetched again by the backward

@@ -51,9 +51,9 @@ import torch.fx as fx
 from .. import ops
 from ..effects import effect_of
 from ..errors import BackendError, EffectfxWarning
-from ..graphs import Graph, graph_module
+from ..graph.build import Graph, graph_module
 from ..passes.direct_calls import DirectOpCodeGen
-from ..runtime.program import Program
+from ..program.program import Program
 
 
 class InductorFallbackWarning(EffectfxWarning):

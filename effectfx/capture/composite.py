@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -50,12 +50,10 @@ from ..errors import (
     UnsupportedMutationError,
     UnsupportedOperatorError,
 )
+from ..graph.source import user_location
+from ..regions.reads import Label, raw
+from .arguments import map_structure
 from .python_print import silenced
-from .reads import Label, raw
-from .source import user_location
-
-if TYPE_CHECKING:
-    from .tracer import Tracer
 
 _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 _BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType)
@@ -137,7 +135,7 @@ class CompositeEffects(TorchFunctionMode):
     docstring).  ``kernels`` is a stack with one entry per kernel running on fakes (True when its pure ops
     are recorded for the backward); ``pending`` holds the kernel's results until the op is recorded."""
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Any) -> None:  # the Tracer whose torch-function half this is
         super().__init__()
         self.tracer = tracer
         self.kernels: list[tuple[torch._ops.OpOverload, bool, str]] = []
@@ -177,7 +175,7 @@ class CompositeEffects(TorchFunctionMode):
             )
         leaves = [tracer.to_fake(t) for t in tree_flatten((args, kwargs))[0]]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves if isinstance(t, torch.Tensor))
-        run_args, run_kwargs = _map_structure(self._run_value, (args, kwargs))
+        run_args, run_kwargs = map_structure(self._run_value, (args, kwargs))
         with self._kernel(op, grad, where):
             try:
                 out = op.decompose(*run_args, **run_kwargs)
@@ -244,12 +242,6 @@ class CompositeEffects(TorchFunctionMode):
         return self.pending[0]
 
 
-def _map_structure(fn: Any, value: Any) -> Any:
-    from .tracer import map_structure  # the tracer imports this module
-
-    return map_structure(fn, value)
-
-
 def _bake_labels(value: Any) -> Any:
     def bake(v: Any) -> Any:
         if isinstance(v, Label):
@@ -257,7 +249,7 @@ def _bake_labels(value: Any) -> Any:
             return raw(v)
         return v
 
-    return _map_structure(bake, value)
+    return map_structure(bake, value)
 
 
 def _cannot_run(op: torch._ops.OpOverload, where: str, why: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graphs import Graph, graph_module, node_name
+from ..graph.build import Graph, graph_module, node_name
 
 # argument values FX writes into generated code as literals; anything else (a torchbind object, a
 # ProcessGroup, a Generator) would be written as its repr -- ``<torch.ScriptObject object at 0x..>``, a
@@ -45,11 +45,17 @@ class GraphBuilder:
 
     ``values`` maps ``id(fake tensor)`` to the node that produces it in *this* graph; tensors of other
     graphs are unknown here and must be lifted (Note [Region identity]).  ``lift`` is asked for a node
-    when an unknown tensor shows up, and raises if the tensor may not be lifted.
+    when an unknown tensor shows up, and raises if the tensor may not be lifted.  ``lift_real`` makes the
+    input of a real tensor read by identity (a module's parameter a call site passes), and ``labels`` are
+    a region body's labels (``effectfx.regions.labels.BodyLabels``; None for graphs that bake every string
+    in): both given by the graph's scope (``effectfx.capture.trace.Scope``).
     """
 
-    def __init__(self, name: str, lift: Callable[[torch.Tensor], fx.Node]) -> None:
+    def __init__(self, name: str, lift: Callable[[torch.Tensor], fx.Node],
+                 lift_real: Callable[[torch.Tensor], fx.Node] | None = None, labels: Any = None) -> None:
         self.name = name
+        self.lift_real = lift_real
+        self.labels = labels
         self.graph = Graph()
         self.values: dict[int, fx.Node] = {}
         self.keepalive: list[torch.Tensor] = []

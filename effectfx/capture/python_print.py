@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import ops
 from ..effects import register_effect
 from ..errors import UnfaithfulPrintWarning
-from .source import user_frame, user_location
+from ..graph.source import user_frame, user_location
 
 _ORIGINAL_PRINT = builtins.print
 _ORIGINAL_REPR = torch.Tensor.__repr__

@@ -23,12 +23,12 @@ from ..errors import (
     UnsupportedOperatorError,
     UnsupportedReturnError,
 )
-from ..passes.dce import eliminate_dead_code
+from ..graph.meta import OperandSource, TensorMeta, TracedGraph
+from ..graph.source import in_library, return_lines, trim_traceback, user_location
+from ..graph.walk import eliminate_dead_code
+from ..regions.labels import BodyLabels
+from ..regions.reads import raw
 from .graph_builder import GraphBuilder
-from .labels import BodyLabels
-from .meta import OperandSource, TensorMeta, TracedGraph
-from .reads import raw
-from .source import in_library, return_lines, trim_traceback, user_location
 from .tracer import Tracer
 from .unsupported import unsupported_operator
 
@@ -61,13 +61,11 @@ class Scope:
         self.nodes: list[fx.Node] = []  # the placeholder of each input
         self.visible: dict[int, torch.Tensor] = {}  # input -> the tensor user code holds, when not its value
         self.real_nodes: dict[int, fx.Node] = {}  # id(real tensor read by identity) -> its input
-        self.builder = GraphBuilder(name, self.lift)
-        self.builder.lift_real = self.lift_real  # type: ignore[attr-defined]
-        # a body's labels (effectfx.capture.labels); the root bakes every string in
+        # a body's labels (effectfx.regions.labels); the root bakes every string in
         self.labels = BodyLabels(self.add_label) if region is not None else None
+        self.builder = GraphBuilder(name, self.lift, self.lift_real, self.labels)
         if self.labels is not None:
             self.labels.phase = lambda: self.builder.phase
-        self.builder.labels = self.labels  # type: ignore[attr-defined]
 
     def add_input(self, name: str, source: OperandSource, fake: torch.Tensor) -> None:
         self.nodes.append(self.builder.placeholder(placeholder_name(name), fake))

@@ -26,14 +26,16 @@ from ..errors import (
     MissingFakeImplError,
     UnsupportedMutationError,
 )
+from ..graph.meta import TensorMeta
+from ..graph.source import user_location
+from ..regions.cache import RegionCache
+from ..regions.labels import LabelMode, has_sentinel, resolve_labels
+from ..regions.reads import Watcher
+from .arguments import map_structure
 from .collectives import COLLECTIVE_NAMESPACES, record_collective
 from .composite import CompositeEffects
 from .graph_builder import GraphBuilder
-from .labels import LabelMode, has_sentinel, resolve_labels
-from .meta import TensorMeta
 from .mutation import Mutation, mutation_of
-from .reads import Watcher
-from .source import user_location
 
 aten = torch.ops.aten
 
@@ -60,15 +62,6 @@ _DATA_DEPENDENT = {
 }
 
 
-def map_structure(fn: Any, value: Any) -> Any:
-    """``fn`` over the leaves of nested tuples/lists/dicts: aten arguments, without pytree's overhead."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_structure(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: map_structure(fn, v) for k, v in value.items()}
-    return fn(value)
-
-
 def _fake_maker(mode: FakeTensorMode, device: torch.device) -> Callable[[torch.Tensor, bool], torch.Tensor]:
     """A constructor of fakes on ``device``: what ``FakeTensor(mode, storage, device)`` builds, at a third of
     its cost (a capture makes a fake per op output and per region call site result).  The attribute
@@ -91,9 +84,12 @@ def _fake_maker(mode: FakeTensorMode, device: torch.device) -> Callable[[torch.T
 
 
 class Tracer(TorchDispatchMode):
-    """Records every aten op into the innermost :class:`GraphBuilder` on ``self.builders``."""
+    """Records every aten op into the innermost :class:`GraphBuilder` on ``self.builders``.
 
-    def __init__(self) -> None:
+    ``call_region(tracer, region, args, kwargs)`` is what a region's call does during the capture
+    (``effectfx.capture.region_call``, handed over by the driver that makes the tracer)."""
+
+    def __init__(self, call_region: Callable[..., Any]) -> None:
         super().__init__()
         self.fake_mode = FakeTensorMode()
         self.builders: list[GraphBuilder] = []
@@ -106,35 +102,22 @@ class Tracer(TorchDispatchMode):
         self.views_of: dict[int, list[torch.Tensor]] = {}  # id(base) -> views of it made so far
         # id(caller's tensor) -> (its grad_fn after a region's write-back, the body op's grad_fn name)
         self.written_by_region: dict[int, tuple[Any, str]] = {}
-        self.bodies: dict[Any, Any] = {}  # (region function, key, guards) -> RegionBody: the region cache
-        self.candidates: dict[Any, list[Any]] = {}  # (region function, key) -> bodies, first traced first
+        self.regions = RegionCache()
+        self._call_region = call_region
         self.watcher = Watcher()
         self.label_mode = LabelMode()
         self.composite = CompositeEffects(self)  # effect ops with a CompositeImplicitAutograd kernel
-        self.trace_counts: dict[str, int] = {}
-        self.region_calls: dict[str, int] = {}
-        self._identifiers = 0
-        # region function -> why its body cannot serve calls promoted to require grad (Note [Region identity])
-        self.unpromotable: dict[Any, str] = {}
         self._fake_makers: dict[torch.device, Callable[[torch.Tensor, bool], torch.Tensor]] = {}
-
-    def next_identifier(self) -> str:
-        """Identifiers are given in order of first trace (Note [Region identity])."""
-        self._identifiers += 1
-        return f"subgraph_{self._identifiers - 1}"
-
-    def region_state(self) -> tuple:
-        """The region cache and its counts, to go back to when a trace is dropped."""
-        return (self._identifiers, dict(self.bodies), {k: list(v) for k, v in self.candidates.items()},
-                dict(self.trace_counts), dict(self.region_calls))
-
-    def restore_region_state(self, state: tuple) -> None:
-        self._identifiers, self.bodies, self.candidates, self.trace_counts, self.region_calls = state
+        self._numbers: dict[str, int] = {}
 
     def call_region(self, region: Any, args: tuple, kwargs: dict) -> Any:
-        from .region_call import call_region
+        """A call of ``region`` (``effectfx.regions.Region.call``) during this capture."""
+        return self._call_region(self, region, args, kwargs)
 
-        return call_region(self, region, args, kwargs)
+    def number(self, kind: str) -> int:
+        """0, 1, 2, ... per ``kind`` of subgraph (``"control_flow"``): unique names within one capture."""
+        n = self._numbers[kind] = self._numbers.get(kind, -1) + 1
+        return n
 
     # -- tensors ---------------------------------------------------------------------------------
     @property
@@ -222,7 +205,7 @@ class Tracer(TorchDispatchMode):
         node_args, node_kwargs = map_structure(builder.node_of, (args, kwargs))
         if self.label_mode.sentinels and has_sentinel((args, kwargs)):
             (args, kwargs), (node_args, node_kwargs) = resolve_labels(
-                self.label_mode, getattr(builder, "labels", None), key is not None, (args, kwargs),
+                self.label_mode, builder.labels, key is not None, (args, kwargs),
                 (node_args, node_kwargs))
         mutation = mutation_of(func, args, kwargs)
         target = func if mutation is None else self._functionalize(func, mutation, key)

@@ -1,7 +1,7 @@
 """Turning torch's failures on things effectfx cannot capture yet into errors that name them.
 
-Higher-order ops without a rule for effectfx's tracer (``map``; ``effectfx.capture.hops`` lists those
-effectfx captures: print, cond, while_loop, scan, flex_attention) make torch raise a bare
+Higher-order ops without a capture rule (``map``; ``effectfx.hops`` holds those effectfx captures:
+print, cond, while_loop, scan, flex_attention) make torch raise a bare
 ``NotImplementedError`` from deep inside its dispatcher -- or, when the op's autograd rule runs first
 (``map`` on a tensor that requires grad), whatever that rule trips over.  This module recognizes both and
 raises :class:`UnsupportedOperatorError` naming the op and the user's line instead.
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch._ops import HigherOrderOperator
+
 from ..errors import EffectfxError, UnsupportedOperatorError
-from .source import user_location
+from ..graph.source import user_location
+from .takeover import taken_over
 
 _ADVICE = {
     "map_impl": "call the function on each slice in a Python loop, or run it outside the captured function",
@@ -23,17 +26,12 @@ _ADVICE = {
 
 
 def _higher_order_op(exc: BaseException) -> Any:
-    """The outermost HigherOrderOperator without a rule for the tracer whose call raised ``exc`` -- the
-    one the user called (``while_loop``, not the ``while_loop_stack_output`` its autograd rule calls) --
-    or None."""
-    from torch._ops import HigherOrderOperator
-
-    from .tracer import Tracer
-
+    """The outermost HigherOrderOperator without a capture rule whose call raised ``exc`` -- the one the
+    user called (``while_loop``, not the ``while_loop_stack_output`` its autograd rule calls) -- or None."""
     tb = exc.__traceback__
     while tb is not None:
         candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, HigherOrderOperator) and Tracer not in candidate.python_key_table:
+        if isinstance(candidate, HigherOrderOperator) and not taken_over(candidate):
             return candidate
         tb = tb.tb_next
     return None

@@ -66,7 +66,7 @@ def available_forms() -> dict[str, bool]:
 def make_form(fn: Callable[..., Any], args: tuple, kwargs: dict, form: str) -> Any:
     """Capture ``fn(*args, **kwargs)`` and return the Program (or TrainingProgram) in ``form``."""
     import effectfx as efx
-    from effectfx.runtime.program import TrainingProgram
+    from effectfx.program.program import TrainingProgram
 
     if form not in FORMS:
         raise ShowError(f"unknown form {form!r}; choose one of {', '.join(FORMS)}.")

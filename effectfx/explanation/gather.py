@@ -29,12 +29,13 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from .. import ops
-from ..capture.identity import body_differences, key_differences, part_differences
-from ..capture.region_call import leaf_names
+from ..capture.arguments import leaf_names
+from ..drivers.compile import CompiledCallable, CompiledEntry
 from ..effects import effect_of
-from ..runtime.compile import CompiledCallable, CompiledEntry
-from ..runtime.printing import subgraphs
-from ..runtime.program import BodyInfo, Program, TrainingProgram
+from ..graph.walk import subgraphs
+from ..program.program import Program, TrainingProgram
+from ..program.records import BodyInfo
+from ..regions.words import body_differences, key_differences, part_differences
 from .report import BodyReport, Explanation, GraphSize, ProgramReport, RegionReport, Stage, ident_order
 
 NOTES = "Note [Region identity] in effectfx/notes.py"
@@ -329,7 +330,7 @@ def explain(fn_or_compiled: Any, *args: Any, **kwargs: Any) -> Explanation:
     if not callable(target):
         raise TypeError(f"efx.explain: expected a function, module, efx.compile'd callable or Program, "
                         f"got {type(target).__name__}")
-    from ..capture.capture import capture
+    from ..drivers.capture import capture
 
     prog = capture(target, *args, **kwargs)
     name = getattr(target, "__name__", type(target).__name__)

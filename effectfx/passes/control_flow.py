@@ -1,4 +1,5 @@
-"""Control-flow nodes in the token passes and the verifier (Note [Control flow]).
+"""The token rules of control flow: the higher-order ops of ``effectfx.ops.HOPS`` whose tokens lead a
+tuple argument, in the token passes and the verifier (Note [Control flow]).
 
 A control-flow node is ``effectfx.ops.cond(pred, true_graph, false_graph, operands)``,
 ``while_loop(cond_graph, body_graph, carried, additional)`` or ``scan(combine_graph, init, xs, additional)``.
@@ -15,10 +16,10 @@ from typing import Any
 import torch.fx as fx
 
 from .. import ops
-from ..runtime.printing import control_flow_graphs
-from .rewrite import GraphContext, Results, get_attr, set_attr, wrapped_results
+from ..graph.walk import control_flow_graphs, get_attr, set_attr
+from .rewrite import GraphContext, Results, wrapped_results
 
-TOKEN_ARG = {ops.cond: 3, ops.while_loop: 2, ops.scan: 1}
+TOKEN_ARG = {op: ops.HOPS[op].token_arg for op in ops.CONTROL_FLOW}  # the table's, by target
 META = "effectfx_control_flow"  # a subgraph of control flow: the token keys at its boundary
 
 

@@ -10,27 +10,10 @@ from typing import Any
 
 import torch.fx as fx
 
-from .. import ops
-from ..effects import node_effect_keys
-from ..runtime.program import Program
+from ..graph.walk import eliminate_dead_code
+from ..program.program import Program
 from .pipeline import run_passes
 from .rewrite import GraphContext, GraphRewrite
-
-_ALWAYS_LIVE = {ops.sink_tokens, ops.with_effects}
-
-
-def is_effectful(node: fx.Node) -> bool:
-    if node.op in ("placeholder", "output"):
-        return True
-    return node.target in _ALWAYS_LIVE or bool(node_effect_keys(node))
-
-
-def eliminate_dead_code(graph: fx.Graph) -> fx.Graph:
-    """Remove, in place, every pure node whose value is unused; returns the graph."""
-    for node in reversed(list(graph.nodes)):
-        if not node.users and not is_effectful(node):
-            graph.erase_node(node)
-    return graph
 
 
 class _CopyGraphs(GraphRewrite):
@@ -48,7 +31,7 @@ class _CopyGraphs(GraphRewrite):
 
 def dead_code_elimination_pass(prog: Program) -> Program:
     """Any form -> same form: a new Program whose graphs lack the pure nodes nobody reads; every effect,
-    effectful region call and token stays (the registry decides, via :func:`is_effectful`)."""
+    effectful region call and token stays (the registry decides, via ``graph.walk.is_effectful``)."""
     rewrite = _CopyGraphs(prog.form)
     rewrite.form_out = prog.form
     keys = tuple(prog.token_keys) if prog.form == "functionalized" else ()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..runtime.program import Program
+from ..program.program import Program
 from .rewrite import EffectCodeGen, GraphRewrite
 
 _OP_CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ..runtime.program import PassRecord, Program, TrainingProgram
+from ..program.program import Program, TrainingProgram
+from ..program.records import PassRecord
 
 P = TypeVar("P", Program, TrainingProgram)
 Pass = Callable[[Program], Program]

@@ -19,8 +19,9 @@ import torch.fx as fx
 
 from .. import ops
 from ..errors import EffectfxError
-from ..graphs import Graph, graph_module
-from ..runtime.program import Program
+from ..graph.build import Graph, graph_module
+from ..graph.walk import get_attr, set_attr
+from ..program.program import Program
 
 
 class EffectCodeGen(fx.graph.CodeGen):
@@ -30,12 +31,13 @@ class EffectCodeGen(fx.graph.CodeGen):
 
     runtime_calls = "overload"  # the code graphs run calls each OpOverload (effectfx.codegen)
 
-    _FUNCTION_REPR = re.compile(r"<function (invoke_subgraph|cond|while_loop|scan) at 0x[0-9a-fA-F]+>")
+    # the higher-order ops of effectfx.ops.HOPS, as FX prints a function argument
+    _FUNCTION_REPR = re.compile(rf"<function ({'|'.join(f.__name__ for f in ops.HOPS)}) at 0x[0-9a-fA-F]+>")
 
     def _gen_python_code(self, *args: Any, **kwargs: Any) -> Any:
         code = super()._gen_python_code(*args, **kwargs)
-        for name in set(self._FUNCTION_REPR.findall(code.src)):  # control flow: Note [Control flow]
-            code.globals[f"effectfx_ops_{name}"] = getattr(ops, name)
+        for name in set(self._FUNCTION_REPR.findall(code.src)):
+            code.globals[f"effectfx_ops_{name}"] = ops.TARGETS[f"effectfx.ops.{name}"]
         code.src = self._FUNCTION_REPR.sub(lambda m: f"effectfx_ops_{m.group(1)}", code.src)
         return code
 
@@ -106,33 +108,6 @@ def boundary_keys(gm: fx.GraphModule, form: str) -> tuple[str, ...]:
     if form != "functionalized":
         return ()
     return tuple(gm.meta.get("effectfx_token_keys", ()))
-
-
-def region_call(node: fx.Node) -> tuple[int, tuple] | None:
-    """(index of the subgraph get_attr in args, args from there) if ``node`` calls a region, else None."""
-    if node.op != "call_function":
-        return None
-    if node.target is ops.invoke_subgraph:
-        return 0, node.args
-    if node.target is ops.with_effects and len(node.args) > 1 and node.args[1] is ops.invoke_subgraph:
-        return 2, node.args[2:]
-    return None
-
-
-def get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def set_attr(holder: torch.nn.Module, target: str, value: Any) -> None:
-    *path, last = target.split(".")
-    for part in path:
-        if not hasattr(holder, part):
-            setattr(holder, part, torch.nn.Module())
-        holder = getattr(holder, part)
-    setattr(holder, last, value)
 
 
 class GraphRewrite:

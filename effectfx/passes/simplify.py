@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..effects import node_effect_keys
-from ..runtime.program import Program
+from ..graph.walk import get_attr, node_effect_keys
+from ..program.program import Program
 from .dce import eliminate_dead_code
 from .direct_calls import DirectOpCodeGen
-from .rewrite import GraphRewrite, get_attr
+from .rewrite import GraphRewrite
 
 aten = torch.ops.aten
 

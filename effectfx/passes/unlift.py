@@ -33,7 +33,7 @@ from typing import Any
 import torch.fx as fx
 
 from .. import ops
-from ..runtime.program import Program
+from ..program.program import Program
 from . import control_flow
 from .pipeline import run_passes
 from .rewrite import GraphContext, GraphRewrite, boundary_keys, wrapped_results

@@ -27,10 +27,10 @@ import torch.fx as fx
 from .. import ops
 from ..effects import effect_of
 from ..errors import VerificationError
-from ..runtime.printing import control_flow_graphs
-from ..runtime.program import Program, TrainingProgram
+from ..graph.walk import control_flow_graphs, get_attr, region_call
+from ..program.program import Program, TrainingProgram
 from . import control_flow
-from .rewrite import boundary_keys, get_attr, region_call
+from .rewrite import boundary_keys
 
 _TOKEN_OPS = (ops.with_effects, ops.make_token, ops.sink_tokens)
 CONTEXT_LINES = 3

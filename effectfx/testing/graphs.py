@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 import torch
 import torch.fx as fx
 
-from ..graphs import Graph
+from ..graph.build import Graph
 
 aten = torch.ops.aten
 

@@ -6,7 +6,8 @@ region call threads the caller's current tokens.  The input Program is not modif
 
 Effect discovery (Note [Region identity], last paragraph): a body is functionalized with no tokens of its
 own; a token appears the first time the body needs one, and the keys whose token differs after the body
-from before it are the region's effects, recorded in the region cache under its identifier.
+from before it are the region's effects, checked against what earlier captures saw
+(``effectfx.regions.effects``).
 """
 
 from __future__ import annotations
@@ -18,43 +19,13 @@ from typing import Any
 import torch.fx as fx
 
 from .. import ops
-from ..capture.meta import mask_text
-from ..capture.source import definition
-from ..effects import effect_of, graph_effect_keys
-from ..errors import RegionEffectsChangedError
-from ..passes import control_flow
-from ..passes.rewrite import GraphContext, GraphRewrite, Results, get_attr, returns_single_value
-from ..runtime.printing import subgraphs
-from ..runtime.program import Program, RegionEntry
-
-
-def check_region_effects(gm: fx.GraphModule, keys: frozenset[str], commits: list) -> None:
-    """Compare a body's effect keys with what the same region and cache key showed before
-    (Note [Region identity]); the new set is committed only once the whole pass succeeds."""
-    info = gm.meta.get("effectfx_region")
-    if info is None:
-        return
-    region, cache_key, identifier, direction = info
-    if "effectfx_grad_outputs" in gm.meta:  # a partial backward has effects of its own
-        direction += " for outputs " + mask_text(gm.meta["effectfx_grad_outputs"])
-    known = region.known_effects.get((cache_key, direction))
-    if known is not None and known != keys:
-        changed = known ^ keys
-        where = sorted({n.meta["location"] for n in gm.graph.nodes
-                        if n.meta.get("effect_key") in changed and "location" in n.meta})
-        raise RegionEffectsChangedError(
-            f"region {region.name!r} ({identifier}, {direction}; defined at {definition(region.fn)}) had "
-            f"effects {sorted(known)} when it was traced before with the same arguments, but has "
-            f"{sorted(keys)} now" + (f" (from {'; '.join(where)})" if where else "") + ".\nIts effects "
-            "depend on state that is not part of its cache key (a global flag?). Pass that state to the "
-            "region as an argument so each variant gets its own body."
-        )
-    commits.append((region, (cache_key, direction), keys))
-
-
-def _commit(commits: list) -> None:
-    for region, cache_key, effect_keys in commits:  # only a pass that succeeded fills the cache
-        region.known_effects[cache_key] = effect_keys
+from ..effects import effect_of
+from ..graph.walk import get_attr, graph_effect_keys, subgraphs
+from ..program.program import Program
+from ..program.records import RegionEntry
+from ..regions.effects import check_body_effects, commit_body_effects
+from . import control_flow
+from .rewrite import GraphContext, GraphRewrite, Results, returns_single_value
 
 
 class ThreadTokens(GraphRewrite):
@@ -126,14 +97,14 @@ class ThreadTokens(GraphRewrite):
         if info is not None:
             keys = frozenset(gm.meta["effectfx_token_keys"])
             self.effects[info[2]] = keys
-            check_region_effects(gm, keys, self.commits)
+            check_body_effects(gm, keys, self.commits)
 
 
 def thread_tokens(prog: Program) -> Program:
     """Captured form -> functionalized form (see the module docstring for the contract)."""
     rewrite = ThreadTokens()
     new = rewrite.program(prog)
-    _commit(rewrite.commits)
+    commit_body_effects(rewrite.commits)
     regions = {
         ident: RegionEntry(entry.name, entry.traces, rewrite.effects.get(ident, frozenset()))
         for ident, entry in prog.regions.items()
@@ -155,8 +126,8 @@ def discover_effects(prog: Program) -> Program:
     for _, identifier, body in subgraphs(prog.graph_module):
         keys = graph_effect_keys(body)
         effects[identifier] = effects.get(identifier, frozenset()) | keys
-        check_region_effects(body, keys, commits)
-    _commit(commits)
+        check_body_effects(body, keys, commits)
+    commit_body_effects(commits)
     regions = {ident: RegionEntry(e.name, e.traces, effects.get(ident, frozenset()))
                for ident, e in prog.regions.items()}
     return prog.replace(form="token-free", regions=regions)

@@ -1,4 +1,7 @@
-"""Saving token-free Programs to disk and loading them back, without pickled code.
+"""The file format of token-free Programs: saving them, and reading back what they are made of, without
+pickled code.  This module knows the format, not the classes: ``Program.save`` writes through
+:func:`save`, and ``efx.load`` (``effectfx.program.program.load``) builds the Programs from
+:func:`load_fields`.
 
 Format (version 1): a zip file with two members.
 
@@ -53,21 +56,17 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
 from .. import ops
-from ..capture.meta import TensorMeta
 from ..errors import EffectfxError
-from ..graphs import Graph, graph_module
-from .program import InputSignature, PassRecord, Program, RegionEntry, TrainingProgram
+from ..graph.build import Graph, graph_module
+from ..graph.meta import TensorMeta
+from .records import InputSignature, PassRecord, RegionEntry
 
 FORMAT = "effectfx-program"
 VERSION = 1
-PYTHON_TARGETS: dict[str, Any] = {
-    "operator.getitem": operator.getitem,
-    "effectfx.ops.invoke_subgraph": ops.invoke_subgraph,
-    # control flow (Note [Control flow]): subgraphs are get_attr nodes, operands tuples of nodes
-    "effectfx.ops.cond": ops.cond,
-    "effectfx.ops.while_loop": ops.while_loop,
-    "effectfx.ops.scan": ops.scan,
-}
+# the higher-order ops by their table names (subgraphs are get_attr nodes, operands tuples of nodes); the
+# token ops never appear in the token-free form
+PYTHON_TARGETS: dict[str, Any] = {"operator.getitem": operator.getitem,
+                                  **{spec.name: op for op, spec in ops.HOPS.items()}}
 _PYTHON_NAMES = {id(v): k for k, v in PYTHON_TARGETS.items()}
 _ENUMS: dict[str, tuple[type, dict[str, Any]]] = {
     "layout": (torch.layout, {str(v).removeprefix("torch."): v for v in (torch.strided, torch.sparse_coo)}),
@@ -94,7 +93,7 @@ class _Saver:
         self.tensors[name] = t.detach().clone()
         return name
 
-    def program(self, prog: Program, prefix: str) -> dict:
+    def program(self, prog: Any, prefix: str) -> dict:
         if prog.form != "token-free":
             raise SerializationError(
                 f"{prog.name!r} is in the {prog.form} form; only the token-free form is saved. Run "
@@ -216,11 +215,12 @@ def _dumps_spec(spec: Any) -> str:
         raise SerializationError(f"cannot save the argument/result structure {spec}: {e}") from e
 
 
-def save(prog: Program | TrainingProgram, path: str | Path) -> None:
-    """Write a token-free Program or TrainingProgram to ``path`` (see the module docstring for the format)."""
+def save(prog: Any, path: str | Path) -> None:
+    """Write a token-free Program or TrainingProgram (which has a ``backward`` Program) to ``path`` (see the
+    module docstring for the format)."""
     saver = _Saver()
     doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
-    if isinstance(prog, TrainingProgram):
+    if hasattr(prog, "backward"):
         doc.update(kind="training", forward=saver.program(prog.forward, "forward."),
                    backward=saver.program(prog.backward, "backward."),
                    tangent_mask=list(prog.tangent_mask), grad_mask=list(prog.grad_mask),
@@ -320,7 +320,8 @@ class _Loader:
         self.built[gid] = gm
         return gm
 
-    def program(self, p: dict) -> Program:
+    def program(self, p: dict) -> dict[str, Any]:
+        """The fields of the Program ``p`` describes, as ``Program(**fields)`` takes them."""
         self.doc = p
         self.built = {}
         sig = p["signature"]
@@ -331,10 +332,11 @@ class _Loader:
             tuple(sig.get("aliases", ())),
             tuple(sig.get("views", ())),
         )
-        return Program(
-            self.graph(p["root"]), signature, tuple(self.tensors[n] for n in p["lifted"]),
-            treespec_loads(p["out_spec"]), tuple((k, _load_value(v, {})) for k, v in p["out_layout"]),
-            form=p["form"], token_keys=(),
+        return dict(
+            graph_module=self.graph(p["root"]), signature=signature,
+            lifted=tuple(self.tensors[n] for n in p["lifted"]), out_spec=treespec_loads(p["out_spec"]),
+            out_layout=tuple((k, _load_value(v, {})) for k, v in p["out_layout"]), form=p["form"],
+            token_keys=(),
             regions={ident: RegionEntry(r["name"], r["traces"],
                                         frozenset(r["effects"]) if r["effects"] is not None else None)
                      for ident, r in p["regions"].items()},
@@ -343,8 +345,9 @@ class _Loader:
         )
 
 
-def load(path: str | Path) -> Program | TrainingProgram:
-    """Read a program written by ``prog.save(path)``; runs no code from the file (module docstring)."""
+def load_fields(path: str | Path) -> tuple[str, Any]:
+    """What the program file at ``path`` holds: ``("program", fields)`` or ``("training", (forward fields,
+    backward fields, the TrainingProgram's own))``; runs no code from the file (module docstring)."""
     with zipfile.ZipFile(path) as zf:
         doc = json.loads(zf.read("program.json"))
         tensors = torch.load(io.BytesIO(zf.read("tensors.pt")), weights_only=True)
@@ -352,7 +355,7 @@ def load(path: str | Path) -> Program | TrainingProgram:
         raise SerializationError(f"{path} is not an effectfx program file of version {VERSION}.")
     loader = _Loader(doc, tensors)
     if doc["kind"] == "training":
-        return TrainingProgram(loader.program(doc["forward"]), loader.program(doc["backward"]),
-                               tuple(doc["tangent_mask"]), tuple(doc["grad_mask"]),
-                               covered_by=tuple(frozenset(c) for c in doc.get("covered_by", ())))
-    return loader.program(doc["program"])
+        return "training", (loader.program(doc["forward"]), loader.program(doc["backward"]), dict(
+            tangent_mask=tuple(doc["tangent_mask"]), grad_mask=tuple(doc["grad_mask"]),
+            covered_by=tuple(frozenset(c) for c in doc.get("covered_by", ()))))
+    return "program", loader.program(doc["program"])

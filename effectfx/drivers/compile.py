@@ -21,15 +21,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..capture.capture import trace_program
-from ..capture.identity import ambient, failed_guards, guard_text, leaf_key, object_guards, object_guards_hold
-from ..capture.meta import TensorMeta
-from ..capture.reads import plain_value
-from ..functionalize import discover_effects, thread_tokens
+from ..graph.meta import TensorMeta
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from ..passes.simplify import simplify_in_place
-from .program import Program, TrainingProgram, alias_pattern
+from ..passes.thread_tokens import discover_effects, thread_tokens
+from ..program.program import Program, TrainingProgram
+from ..program.records import alias_pattern
+from ..regions.identity import ambient, failed_guards, leaf_key, object_guards, object_guards_hold
+from ..regions.reads import plain_value
+from ..regions.words import guard_text
+from .capture import trace_program
 
 
 def lower_to_inductor(prog: Program) -> Program:

@@ -1,11 +1,12 @@
-"""torch.cond, while_loop and scan in captured code: nodes holding subgraphs traced by effectfx's tracer.
+"""What the control-flow families (``cond``, ``loops``) share: tracing a function into a subgraph, giving
+the subgraphs of one op the same inputs, and emitting the node that runs them.
 
-See Note [Control flow] in ``effectfx.notes``.  During a capture the three higher-order ops are taken
-over before torch dispatches them (``hooks``): eager torch would hand the user's functions to Dynamo or
-to its own ``make_fx``; here each function is traced by the tracer itself (regions, effects, prints and
-labels work inside it as anywhere else) into a :class:`~torch.fx.GraphModule` held by the calling graph,
-and one ``effectfx.ops.cond`` / ``while_loop`` / ``scan`` node runs it at run time.  The predicate and the
-trip count are values of the run, never of the capture.
+See Note [Control flow] in ``effectfx.notes``.  During a capture the higher-order ops are taken over before
+torch dispatches them (``effectfx.capture.takeover``): eager torch would hand the user's functions to
+Dynamo or to its own ``make_fx``; here each function is traced by the tracer itself (regions, effects,
+prints and labels work inside it as anywhere else) into a :class:`~torch.fx.GraphModule` held by the
+calling graph, and one ``effectfx.ops.cond`` / ``while_loop`` / ``scan`` node runs it at run time.  The
+predicate and the trip count are values of the run, never of the capture.
 
 Inputs of a subgraph are the op's operands, then every tensor of an enclosing graph the functions read
 (a parameter, an intermediate of the caller): lifted as extra operands, as torch's own tracing lifts them;
@@ -21,15 +22,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from .. import ops
+from ..capture.trace import Scope, trace_graph
+from ..capture.tracer import Tracer
 from ..errors import CaptureError, UnsupportedMutationError, UnsupportedOperatorError
-from .meta import OperandSource, TensorMeta
-from .region_call import leaf_names
-from .source import user_location
-from .trace import Scope, trace_graph
-from .tracer import Tracer
+from ..graph.meta import OperandSource, TensorMeta
+from ..graph.source import user_location
+from ..regions.decorator import active_tracer
 
 
 class SubgraphScope(Scope):
@@ -59,12 +59,6 @@ class Traced:
     inputs: list[tuple[Any, fx.Node]]  # (("op", i) | ("free", id) | ("tangent", j), placeholder)
     outs: list[torch.Tensor] = field(default_factory=list)  # the trace's output tensors
     spec: Any = None
-
-
-def _count(tracer: Tracer) -> int:
-    n = tracer.__dict__.get("control_flow_count", 0)
-    tracer.__dict__["control_flow_count"] = n + 1
-    return n
 
 
 def trace_subgraph(tracer: Tracer, fn: Any, operands: list[torch.Tensor], what: str, class_name: str,
@@ -146,7 +140,7 @@ def arrange_inputs(traced: list[Traced], n_operands: int, n_tangents: int = 0,
     return list(free.values())
 
 
-def _check_same(what: str, a: list[torch.Tensor], b: list[torch.Tensor], names: tuple[str, str]) -> None:
+def check_same(what: str, a: list[torch.Tensor], b: list[torch.Tensor], names: tuple[str, str]) -> None:
     ma = [(tuple(t.shape), t.dtype) for t in a]
     mb = [(tuple(t.shape), t.dtype) for t in b]
     if ma != mb:
@@ -174,15 +168,15 @@ def emit(tracer: Tracer, target: Any, graphs: list[tuple[fx.GraphModule, str]], 
     return results
 
 
-def _meta(t: torch.Tensor) -> TensorMeta:
+def result_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta.of(t).without_grad()
 
 
-def _needs_grad(tensors: list[torch.Tensor]) -> bool:
+def needs_grad(tensors: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _flat_tensors(what: str, values: Any) -> list[torch.Tensor]:
+def flat_tensors(what: str, values: Any) -> list[torch.Tensor]:
     leaves = tree_flatten(values)[0]
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
@@ -193,138 +187,33 @@ def _flat_tensors(what: str, values: Any) -> list[torch.Tensor]:
     return leaves
 
 
-def _where(tracer: Tracer, op: str) -> str:
+def where(tracer: Tracer, op: str) -> str:
     return f"{op} in {tracer.where()}"
 
 
-# -- cond ------------------------------------------------------------------------------------------------
-class _Grads:
-    """The backward of one branch: the branch again (eager's cond recomputes it), then autograd; one
-    gradient per input that requires grad (zeros where the branch does not use it)."""
-
-    def __init__(self, tangent_meta: list[TensorMeta], diff: list[bool], free: list[torch.Tensor]) -> None:
-        self.tangent_meta = tangent_meta
-        self.diff = diff  # per output: whether it gets a tangent
-        self.free = free  # the lifted tensors of both forward branches
-
-    def run(self, fakes: list[torch.Tensor], scope: SubgraphScope, outs: list[torch.Tensor],
-            tangents: list[torch.Tensor]) -> list[torch.Tensor]:
-        wrt = [t for t in [*fakes, *self.free] if t.requires_grad]
-        it = iter(tangents)
-        pairs = [(o, next(it)) for o, d in zip(outs, self.diff) if d]
-        pairs = [(o, g) for o, g in pairs if o.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) \
-            if pairs and wrt else [None] * len(wrt)
-        return [g if g is not None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                for g, t in zip(got, wrt)]
+# what eager torch's wrapper returns, by the wrapped function's name, when it differs from the op's result
+_AFTER_WRAPPER: dict[str, Any] = {}
 
 
-class CondCall(torch.autograd.Function):
-    """A cond under autograd: forward emits the forward branches, backward the backward branches."""
-
-    @staticmethod
-    def forward(ctx: Any, tracer: Tracer, plan: dict, pred: torch.Tensor, *inputs: Any) -> tuple:  # type: ignore[override]
-        outs = emit(tracer, ops.cond, plan["forward"], (pred,), [list(inputs)], plan["out_meta"])
-        ctx.tracer, ctx.plan, ctx.pred, ctx.inputs = tracer, plan, pred, inputs
-        ctx.mark_non_differentiable(*[o for o, m in zip(outs, plan["diff"]) if not m])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:  # type: ignore[override]
-        plan = ctx.plan
-        tangents = [g for g, m in zip(grads, plan["diff"]) if m]
-        results = iter(emit(ctx.tracer, ops.cond, plan["backward"], (ctx.pred,),
-                            [[*ctx.inputs, *tangents]], plan["grad_meta"]))
-        return (None, None, None, *[next(results) if t.requires_grad else None for t in ctx.inputs])
-
-
-def capture_cond(tracer: Tracer, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
-    what = _where(tracer, "torch.cond")
-    if not isinstance(pred, torch.Tensor):  # a Python bool: torch.cond itself runs one branch
-        return true_fn(*operands) if pred else false_fn(*operands)
-    if pred.numel() != 1:
-        raise UnsupportedOperatorError(f"{what} at {user_location()}: the predicate must have one element.")
-    flat, spec = tree_flatten(operands)
-    flat = _flat_tensors(what, flat)
-
-    def branch(fn: Any) -> Any:
-        return lambda *xs: fn(*tree_unflatten(list(xs), spec))
-
-    def param_names(fn: Any) -> list[str]:
-        return leaf_names(fn, tuple(operands), {})
-
-    n = _count(tracer)
-    names = (f"cond_true_{n}", f"cond_false_{n}")
-    with torch.no_grad():
-        fw = [trace_subgraph(tracer, branch(f), flat, f"the {side} branch of {what}", f"Cond{side.title()}",
-                             names=param_names(f))
-              for f, side in ((true_fn, "true"), (false_fn, "false"))]
-    _check_same(what, fw[0].outs, fw[1].outs, ("true branch", "false branch"))
-    if fw[0].spec != fw[1].spec:
-        raise UnsupportedOperatorError(f"{what} at {user_location()}: the branches return different "
-                                       f"structures ({fw[0].spec} and {fw[1].spec}).")
-    free = arrange_inputs(fw, len(flat))
-    inputs = [*flat, *free]
-    out_meta = [_meta(t) for t in fw[0].outs]
-    if not _needs_grad(inputs):
-        outs = emit(tracer, ops.cond, list(zip([t.gm for t in fw], names)), (pred,), [inputs], out_meta)
-        return tree_unflatten(outs, fw[0].spec)
-    # training: each backward branch recomputes its forward, as eager's cond backward does (its effects too)
-    diff = [m.dtype.is_floating_point or m.dtype.is_complex for m in out_meta]
-    grads = _Grads([m for m, d in zip(out_meta, diff) if d], diff, free)
-    with torch.enable_grad():
-        bw = [trace_subgraph(tracer, branch(f), flat, f"the {side} branch of {what} (backward)",
-                             f"Cond{side.title()}Backward", tangents=sum(diff), grads=grads,
-                             names=param_names(f))
-              for f, side in ((true_fn, "true"), (false_fn, "false"))]
-    arrange_inputs(bw, len(flat), sum(diff), free)
-    plan = {
-        "forward": list(zip([t.gm for t in fw], names)),
-        "backward": list(zip([t.gm for t in bw], [f"{x}_backward" for x in names])),
-        "out_meta": out_meta, "diff": diff,
-        "grad_meta": [_meta(t) for t in inputs if t.requires_grad],
-    }
-    outs = CondCall.apply(tracer, plan, pred, *inputs)
-    return tree_unflatten(list(outs), fw[0].spec)
-
-
-# -- taking the ops over during a capture ------------------------------------------------------------------
-def _install() -> None:
-    """During a capture (an active tracer on this thread) the ops are captured before torch dispatches them,
-    and torch's eager path skips Dynamo (which would trace the user's functions itself)."""
+def skip_eager_compile(name: str | None = None, restructure: Any = None) -> None:
+    """During a capture, eager torch's wrapper of the control-flow ops calls the op (taken over) instead
+    of compiling it with Dynamo (which would trace the user's functions itself).  ``restructure(tracer,
+    out)`` turns the op's flat result into what the wrapper's function ``name`` returns."""
     import torch._higher_order_ops.utils as hop_utils
-    from torch._higher_order_ops.cond import CondOp
-    from torch._higher_order_ops.scan import ScanOp
-    from torch._higher_order_ops.while_loop import WhileLoopOp
 
-    from ..regions import active_tracer
-    from .loops import capture_scan, capture_while_loop, restructure_scan
-
+    if name is not None:
+        _AFTER_WRAPPER[name] = restructure
     if getattr(hop_utils._hop_compile_and_call, "__effectfx_hook__", False):
         return
-    for cls, capture in ((CondOp, capture_cond), (WhileLoopOp, capture_while_loop), (ScanOp, capture_scan)):
-        original = cls.__call__
-
-        def call(self: Any, *args: Any, _original: Any = original, _capture: Any = capture,
-                 **kwargs: Any) -> Any:
-            tracer = active_tracer()
-            if tracer is None:
-                return _original(self, *args, **kwargs)
-            return _capture(tracer, *args, **kwargs)
-
-        cls.__call__ = call
-
     compile_and_call = hop_utils._hop_compile_and_call
 
     def hop_compile_and_call(fn: Any, args: tuple, kwargs: dict | None = None) -> Any:
         tracer = active_tracer()
         if tracer is None:
             return compile_and_call(fn, args, kwargs)
-        out = fn(*args, **(kwargs or {}))  # eager torch's wrapper calls the op: captured above
-        return restructure_scan(tracer, out) if fn.__name__ == "run_flattened_scan" else out
+        out = fn(*args, **(kwargs or {}))  # eager torch's wrapper calls the op: captured
+        after = _AFTER_WRAPPER.get(fn.__name__)
+        return after(tracer, out) if after is not None else out
 
     hop_compile_and_call.__effectfx_hook__ = True  # type: ignore[attr-defined]
     hop_utils._hop_compile_and_call = hop_compile_and_call
-
-
-_install()

@@ -12,28 +12,22 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import regions as _regions
+from .. import hops  # noqa: F401  (installs the capture rules of the higher-order ops)
+from ..capture.arguments import check_containers_unchanged, leaf_names
+from ..capture.collectives import refuse_parallel_wrappers
+from ..capture.dynamo_frames import frames_forgotten
+from ..capture.python_print import capture_prints
+from ..capture.region_call import call_region
+from ..capture.trace import Scope, trace_graph
+from ..capture.tracer import Tracer
 from ..errors import UnsupportedMutationError
-from ..runtime.printing import subgraphs
-from ..runtime.program import (
-    BodyInfo,
-    InputSignature,
-    PassRecord,
-    Program,
-    RegionEntry,
-    TrainingProgram,
-    alias_pattern,
-)
-from . import hops  # noqa: F401  (the tracer's rules for higher-order ops)
-from .collectives import refuse_parallel_wrappers
-from .dynamo_frames import frames_forgotten
-from .identity import ambient_context
-from .meta import OperandSource
-from .python_print import capture_prints
-from .reads import Reads, recording
-from .region_call import check_containers_unchanged, leaf_names
-from .trace import Scope, trace_graph
-from .tracer import Tracer
+from ..graph.meta import OperandSource
+from ..graph.walk import subgraphs
+from ..program.program import Program, TrainingProgram
+from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
+from ..regions import decorator as _regions
+from ..regions.identity import ambient_context
+from ..regions.reads import Reads, recording
 
 
 @contextlib.contextmanager
@@ -69,7 +63,7 @@ def _regions_of(gm: fx.GraphModule, tracer: Tracer) -> dict[str, RegionEntry]:
     found = {}
     for _, identifier, body in subgraphs(gm):
         region = body.meta["effectfx_region"][0]
-        found[identifier] = RegionEntry(region.name, tracer.trace_counts.get(identifier, 0))
+        found[identifier] = RegionEntry(region.name, tracer.regions.trace_counts.get(identifier, 0))
     return dict(sorted(found.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
 
 
@@ -78,7 +72,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     """Trace ``fn(*args, **kwargs)`` into the captured form (1); joint + partitioned under autograd, the
     backward for the differentiable outputs ``grad_outputs`` selects (all by default)."""
     start = time.perf_counter()
-    tracer = Tracer()
+    tracer = Tracer(call_region)
     leaves, spec = tree_flatten((args, kwargs))
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     names = leaf_names(target, args, kwargs)
@@ -104,10 +98,11 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         check_containers_unchanged("the captured function", target, names, spec, new_leaves, call_args,
                                    call_kwargs)
 
+    cache = tracer.regions
     bodies = tuple(
         BodyInfo(b.identifier, b.region.name, b.key, b.key_labels, b.trace_seconds,
-                 tracer.region_calls.get(b.identifier, 0), b.guards, tracer.unpromotable.get(b.region.fn, ""))
-        for b in sorted(tracer.bodies.values(), key=lambda b: int(b.identifier.rsplit("_", 1)[1]))
+                 cache.calls.get(b.identifier, 0), b.guards, cache.unpromotable.get(b.region.fn, ""))
+        for b in cache.bodies()
     )
     _refuse_written_views(traced, leaves, names)
     n_user = sum(1 for s in traced.sources if s.kind == "arg")
@@ -199,8 +194,8 @@ def capture(fn: Callable[..., Any], *args: Any, functionalize: bool = True,
             **kwargs: Any) -> Program | TrainingProgram:
     """Capture ``fn(*args, **kwargs)``: the functionalized form, or the captured form if
     ``functionalize=False``.  Returns a TrainingProgram when outputs require grad."""
-    from ..functionalize import thread_tokens
     from ..passes.pipeline import run_passes
+    from ..passes.thread_tokens import thread_tokens
 
     prog = trace_program(fn, args, kwargs)
     if not functionalize:

@@ -15,28 +15,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.nn.attention.flex_attention as api
+from torch._higher_order_ops.flex_attention import FlexAttentionHOP, sdpa_dense
+
+from ..capture.takeover import take_over
 from ..errors import UnsupportedOperatorError
-from .source import user_location
+from ..graph.source import user_location
+from ..regions.decorator import active_tracer
+
+
+def capture_flex_attention(tracer: Any, *args: Any, **kwargs: Any) -> Any:
+    return sdpa_dense(*args, **kwargs)  # eager's CPU kernel, recorded by the tracer
 
 
 def _install() -> None:
-    import torch.nn.attention.flex_attention as api
-    from torch._higher_order_ops.flex_attention import FlexAttentionHOP, sdpa_dense
-
-    from ..regions import active_tracer
-
-    if getattr(FlexAttentionHOP.__call__, "__effectfx_hook__", False):
+    """Eager flex_attention's checks, as the capture must see them: its refusal under autograd named for
+    the user, and no hand-over to torch.compile."""
+    if getattr(api._validate_device, "__effectfx_hook__", False):
         return
-    original = FlexAttentionHOP.__call__
-
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if active_tracer() is None:
-            return original(self, *args, **kwargs)
-        return sdpa_dense(*args, **kwargs)  # eager's CPU kernel, recorded by the tracer
-
-    call.__effectfx_hook__ = True  # type: ignore[attr-defined]
-    FlexAttentionHOP.__call__ = call
-
     validate = api._validate_device
 
     def validate_device(query: Any, key: Any, value: Any) -> None:
@@ -52,6 +48,7 @@ def _install() -> None:
                 "tensors, or use torch.nn.functional.scaled_dot_product_attention with an attention mask."
             ) from None
 
+    validate_device.__effectfx_hook__ = True  # type: ignore[attr-defined]
     api._validate_device = validate_device
 
     class NoCompileWhileCapturing:
@@ -69,4 +66,5 @@ def _install() -> None:
     api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = NoCompileWhileCapturing(flag)
 
 
+take_over(FlexAttentionHOP, capture_flex_attention)
 _install()

@@ -1,0 +1,111 @@
+"""The records a Program carries besides its graphs: its input signature, its region entries, how each
+body came to be (for ``efx.explain``) and the passes that made it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from ..errors import SignatureMismatchError
+from ..graph.meta import TensorMeta
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What a program was captured for: the structure of (args, kwargs) and every leaf's identity."""
+
+    spec: TreeSpec
+    tensor_meta: tuple[tuple[int, TensorMeta], ...]  # (leaf index, metadata) of each tensor leaf
+    constants: tuple[tuple[int, Any], ...]  # (leaf index, value) of each non-tensor leaf
+    # the same tensor passed twice is one input of the graph: per tensor leaf, the leaf index of the first
+    # leaf that is the same tensor (() when all differ); a call must pass the same pattern
+    aliases: tuple[int, ...] = ()
+    views: tuple[int, ...] = ()  # the same for views of one tensor (by ``_base``), which updates cross
+
+    def bind(self, args: tuple, kwargs: dict, name: str) -> list[torch.Tensor]:
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec != self.spec:
+            raise SignatureMismatchError(
+                f"{name} was captured for arguments shaped like {self.spec}, got {spec}. Capture again "
+                "for these arguments, or use effectfx.compile, which re-captures when inputs change."
+            )
+        tensors = []
+        for index, meta in self.tensor_meta:
+            leaf = leaves[index]
+            if not isinstance(leaf, torch.Tensor) or (
+                tuple(leaf.shape) != meta.shape or leaf.dtype != meta.dtype or leaf.device != meta.device
+                or (leaf.numel() > 1 and tuple(leaf.stride()) != meta.stride)  # views are traced per layout
+            ):
+                got = TensorMeta.of(leaf).short() if isinstance(leaf, torch.Tensor) else repr(leaf)
+                raise SignatureMismatchError(
+                    f"{name}: input {index} was captured as {meta.short()} but got {got}. Capture again "
+                    "for these inputs, or use effectfx.compile, which re-captures when inputs change."
+                )
+            tensors.append(leaf)
+        if (alias_pattern(leaves, self.tensor_meta) != self.aliases
+                or alias_pattern(leaves, self.tensor_meta, bases=True) != self.views):
+            raise SignatureMismatchError(
+                f"{name} was captured with {_aliasing(self.views, self.tensor_meta)}, and is called with "
+                f"{_aliasing(alias_pattern(leaves, self.tensor_meta, True), self.tensor_meta)}: the graph "
+                "reads each tensor once, and an update through one is seen through the others, "
+                "so it cannot serve both. Capture again for these inputs, or use effectfx.compile, which "
+                "captures each pattern apart."
+            )
+        for index, value in self.constants:
+            if leaves[index] is not value and leaves[index] != value:
+                raise SignatureMismatchError(
+                    f"{name}: argument {index} was {value!r} when captured but is {leaves[index]!r} now; "
+                    "non-tensor arguments are baked into the graph. Capture again for the new value."
+                )
+        return tensors
+
+
+def alias_pattern(leaves: list[Any], tensor_meta: tuple[tuple[int, Any], ...], bases: bool = False
+                  ) -> tuple[int, ...]:
+    """Per tensor leaf, the index of the first leaf that is the same tensor (``bases``: a view of the same
+    tensor); () when all differ."""
+    first: dict[int, int] = {}
+    pattern = tuple(first.setdefault(id(_base(leaves[i]) if bases else leaves[i]), i) for i, _ in tensor_meta)
+    return pattern if len(first) < len(pattern) else ()
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def _aliasing(pattern: tuple[int, ...], tensor_meta: tuple[tuple[int, Any], ...]) -> str:
+    same = [f"{j} and {i}" for (i, _), j in zip(tensor_meta, pattern) if i != j]
+    return (f"the same tensor (or views of it) as inputs {', '.join(same)}" if same
+            else "a different tensor for each input")
+
+
+@dataclass(frozen=True)
+class RegionEntry:
+    """The region cache entry of one identifier: which region, how often traced, its effect keys."""
+
+    name: str
+    traces: int
+    effects: frozenset[str] | None = None  # known once the program has been functionalized
+
+
+@dataclass(frozen=True)
+class BodyInfo:
+    """How one region body came to be (for ``efx.explain``): its cache key, labelled, and its cost."""
+
+    identifier: str
+    region: str
+    key: tuple
+    key_labels: tuple[str, ...]
+    trace_seconds: float
+    calls: int
+    guards: tuple = ()  # what its trace read: ((path, expectation), ...) (effectfx.capture.identity)
+    unshared: str = ""  # why calls promoted to require grad could not share its region's body
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float

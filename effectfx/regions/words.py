@@ -1,0 +1,177 @@
+"""The words for region identity (Note [Region identity]): what ``efx.explain`` says about why a body
+or a compiled signature is new, and what ``efx.compile`` says about a guard that failed.  The key and the
+guards themselves are ``effectfx.regions.identity``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..graph.meta import TensorMeta
+from .identity import AUTOCAST_DEVICES
+from .reads import MISSING, plain_value, raw
+
+
+def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, str] | None = None) -> str:
+    root = path[0]
+    if root[0] == "leaf":
+        text = leaf_names[root[1]] if root[1] < len(leaf_names) else f"arg{root[1]}"
+    else:
+        obj = root[1].obj
+        text = (objects or {}).get(id(obj))
+        if text is None:
+            text = "globals" if isinstance(obj, dict) and "__name__" in obj else (
+                "a closure cell" if type(obj).__name__ == "cell" else f"a {type(obj).__name__}")
+    for s in path[1:]:
+        if isinstance(s, tuple):
+            text = s[1] if text == "globals" else f"{text}[{s[1]!r}]"
+        elif s == "cell_contents" and text == "a closure cell":
+            text = "a closed-over value"
+        else:
+            text = f"{text}.{s}"
+    return text
+
+
+def expect_text(expect: tuple) -> str:
+    kind = expect[0]
+    if kind == "=":
+        if expect[1] is functools.partial:  # ("partial", (func, args, keywords, attributes)), frozen
+            func, args, keywords, _ = expect[2][1]
+            words = [repr(a) for a in _items(args)] + [f"{k}={v!r}" for k, v in _items(keywords)]
+            return f"partial({getattr(func, '__name__', func)}, {', '.join(words)})"
+        return repr(expect[2]) if plain_value(expect[2]) else f"{expect[1].__name__} {expect[2][1]!r:.60}"
+    if kind == "str":
+        return "a str (an operand)"
+    if kind == "type":
+        return f"a {expect[1].__name__}"
+    if kind in ("is", "state"):
+        return f"that {type(expect[1].obj).__name__} object" + (" in that state" if kind == "state" else "")
+    return "<missing>"
+
+
+def _items(frozen: Any) -> tuple:
+    """The items of a list, tuple or dict as :func:`freeze` holds it (a tuple of plain values as is)."""
+    if type(frozen) is tuple and len(frozen) == 2 and frozen[0] in ("tuple", "list", "dict"):
+        return frozen[1]
+    return frozen
+
+
+def value_text(value: Any) -> str:
+    if value is MISSING:
+        return "<missing>"
+    value = raw(value)
+    return repr(value) if plain_value(value) else f"a {type(value).__name__}"
+
+
+def guard_text(path: tuple, expect: tuple, found: Any, objects: dict[int, str] | None = None) -> str:
+    """One guard that failed: ``Model.h.0.attn.scale: 0.5 -> 0.25``."""
+    return f"{path_text(path, (), objects)}: {expect_text(expect)} -> {value_text(found)}"
+
+
+def guard_differences(old: tuple, new: tuple, leaf_names: Sequence[str] = ()) -> list[str]:
+    """Lines naming the reads two bodies disagree on: ``self.config.use_gate: True -> False``."""
+    a, b = dict(old), dict(new)
+    out = []
+    for path in a:
+        if path in b and a[path] != b[path]:
+            out.append(f"{path_text(path, leaf_names)}: {expect_text(a[path])} -> {expect_text(b[path])}")
+    return out
+
+
+def _ambient_differences(a: tuple, b: tuple) -> list[str]:
+    out = []
+    if a[0] != b[0]:
+        out.append(f"grad mode: {'enabled' if a[0] else 'disabled'} -> {'enabled' if b[0] else 'disabled'}")
+    for device, x, y in zip(AUTOCAST_DEVICES, a[1:], b[1:]):
+        if x != y:
+            x, y = (str(v).replace("torch.", "") if v is not None else "off" for v in (x, y))
+            out.append(f"autocast {device}: {x} -> {y}")
+    return out
+
+
+def _diff_tensor_meta(label: str, a: TensorMeta, b: TensorMeta) -> list[str]:
+    out = []
+    for f in ("shape", "dtype", "device", "requires_grad", "stride"):
+        x, y = getattr(a, f), getattr(b, f)
+        if x == y or (f == "stride" and a.shape != b.shape):
+            continue
+        x, y = (list(x), list(y)) if f in ("shape", "stride") else (x, y)
+        x, y = (str(v).replace("torch.", "") for v in (x, y)) if f == "dtype" else (x, y)
+        hint = " (a transposed or sliced view?)" if f == "stride" else ""
+        out.append(f"{label}: {f} {x} -> {y}{hint}")
+    return out
+
+
+def _diff_structure(label: str, a: tuple, b: tuple) -> list[str]:
+    out = []
+    ca, cb = dict(a[0]), dict(b[0])
+    for prefix in dict.fromkeys([*ca, *cb]):
+        where = f"{label}.{prefix}" if prefix else label
+        if prefix not in ca or prefix not in cb:
+            out.append(f"{where}: submodule {'added' if prefix not in ca else 'removed'}")
+        elif ca[prefix] is not cb[prefix]:
+            out.append(f"{where}: class {ca[prefix].__name__} -> {cb[prefix].__name__}")
+    ta, tb = dict(a[1]), dict(b[1])
+    for name in dict.fromkeys([*ta, *tb]):
+        if name not in ta or name not in tb:
+            out.append(f"{label}.{name}: parameter/buffer {'added' if name not in ta else 'removed'}")
+        else:
+            out.extend(_diff_tensor_meta(f"{label}.{name}", ta[name], tb[name]))
+    return out or [f"{label}: module differs"]
+
+
+def part_differences(label: str, a: Any, b: Any) -> list[str]:
+    """One labelled part of two keys, as readable lines (empty if equal)."""
+    if a == b:
+        return []
+    if label == "ambient":
+        return _ambient_differences(a, b)
+    if label == "argument structure":
+        return [f"argument structure: {' '.join(str(a).split())} -> {' '.join(str(b).split())}"]
+    if isinstance(a, TensorMeta) and isinstance(b, TensorMeta):
+        return _diff_tensor_meta(label, a, b) or [f"{label}: {a.short()} -> {b.short()}"]
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("module",):
+        return _diff_structure(label, a[1], b[1])
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5
+            and isinstance(a[0], torch.Size) and isinstance(b[0], torch.Size)):  # a compile signature's
+        return _diff_tensor_meta(label, TensorMeta(*a), TensorMeta(*b))
+    return [f"argument '{label}': {_leaf_text(a)} -> {_leaf_text(b)}"]
+
+
+def _leaf_text(part: Any) -> str:
+    if isinstance(part, TensorMeta):
+        return "tensor " + part.short()
+    if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
+        return f"{part[1]!r}" + ("" if part[0] in (int, str) else f" ({part[0].__name__})")
+    if isinstance(part, tuple) and part[:1] == ("object",):
+        return f"a {type(part[1].obj).__name__} object (compared by identity)"
+    if isinstance(part, tuple) and part[:1] == ("str",):
+        return "a str"
+    if isinstance(part, tuple) and part[:1] == ("module",):
+        return "a module"
+    return repr(part)
+
+
+def key_differences(old: tuple, new: tuple, old_labels: Sequence[str],
+                    new_labels: Sequence[str]) -> list[str]:
+    """The labelled parts of two call keys that differ, as readable lines (empty if the keys are equal)."""
+    if len(old) != len(new) or tuple(old_labels) != tuple(new_labels):
+        out = part_differences("ambient", old[0], new[0]) if old and new else []
+        names_a, names_b = ", ".join(old_labels[2:]) or "-", ", ".join(new_labels[2:]) or "-"
+        if names_a != names_b:
+            return [*out, f"argument structure: ({names_a}) -> ({names_b})"]
+        return [*out, *part_differences("argument structure", old[1], new[1])]
+    out = []
+    for label, a, b in zip(new_labels, old, new):
+        out.extend(part_differences(label, a, b))
+    return out
+
+
+def body_differences(old_key: tuple, old_guards: tuple, new_key: tuple, new_guards: tuple,
+                     old_labels: Sequence[str], new_labels: Sequence[str]) -> list[str]:
+    """Why a body is not the other: its key, or else the reads the two disagree on."""
+    return key_differences(old_key, new_key, old_labels, new_labels) or guard_differences(
+        old_guards, new_guards, new_labels[2:])

@@ -1,1 +1,0 @@
-"""Runtime: Programs that run captured graphs, and the compiled callable."""
