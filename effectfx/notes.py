@@ -26,8 +26,11 @@ captured form already is token-free, which is why efx.compile goes there directl
 Note [Region identity]
 ~~~~~~~~~~~~~~~~~~~~~~
 A region (``@effectfx.region``) is traced once per *identity* and then called through
-``invoke_subgraph(subgraph, identifier, *operands)``.  The code is ``effectfx.capture.identity``.
-Identity has two halves:
+``invoke_subgraph(subgraph, identifier, *operands)``.  The code is the package ``effectfx.regions``: the
+key and the guards (``identity``), what a trace reads (``reads``), labels (``labels``), the region cache of
+one capture (``cache``), the effects known per body across captures (``effects``) and the words
+``efx.explain`` and ``efx.compile`` use for all of them (``words``); a call site during capture is
+``effectfx.capture.region_call``.  Identity has two halves:
 
   * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
     enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,
@@ -35,7 +38,7 @@ Identity has two halves:
     in their structure (submodule classes, parameter/buffer metadata by name) -- not their attributes;
   * the *guards* -- what the body's trace read, and only that.  During a capture every object reached
     from a body's arguments (modules, submodules, config objects at any depth) is *watched*
-    (``effectfx.capture.reads``: its class is swapped for a recording subclass, on the capturing thread,
+    (``effectfx.regions.reads``: its class is swapped for a recording subclass, on the capturing thread,
     until the capture ends), and each attribute read becomes ``path -> expectation``: a value for plain
     data (``self.config.use_gate == True``), a class for objects, absence for a failed ``getattr``.
     Closure cells and the globals a body's code names are guarded the same way.  An attribute no trace
@@ -85,9 +88,10 @@ of first trace within one capture; a body that returns an operand unchanged hand
 tensor back.
 
 The effects of a body are discovered when it is functionalized: the tokens of every key before and after
-the body are compared, and each key whose token changed is an effect of the region.  The set is stored in
-the region cache under the identifier; the subgraph is then wrapped to take and return those tokens and
-every call site threads its current tokens through it.  Nested regions propagate their keys outwards.
+the body are compared, and each key whose token changed is an effect of the region.  The set is stored
+under the identifier (and, across captures, on the region by cache key: ``effectfx.regions.effects``); the
+subgraph is then wrapped to take and return those tokens and every call site threads its current tokens
+through it.  Nested regions propagate their keys outwards.
 A region whose effect set differs on a later trace of the same identity (state read where no guard sees
 it, such as a global of a function the body calls) is an error, not a guess.
 
@@ -110,8 +114,8 @@ return the saved values that are its own inputs (the call site hands its operand
 saved value is only a ``getitem`` node at the call site (every site shares one fake per saved slot as its
 metadata), the module's parameters it passes are lifted as they are, without fakes (``Scope.lift_real``),
 efx.compile simplifies its own capture in place rather than copying it (``passes.simplify``), and a graph's
-first runs are interpreted, its code generated only when it runs again (``effectfx.steps``): a root graph
-with a line per call site costs more to compile than to interpret a few times.
+first runs are interpreted, its code generated only when it runs again (``effectfx.graph.steps``): a root
+graph with a line per call site costs more to compile than to interpret a few times.
 
 Note [Partial backward]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -162,12 +166,34 @@ When the written tensor is an input of the graph (an argument, a module's buffer
 An input that requires grad is a leaf of the trace's autograd; user code gets a clone with history when the
 caller's tensor is not a leaf, so in-place updates of intermediates differentiate as in eager.  Updating a
 leaf that requires grad is refused, as eager refuses it; so is updating an operand another operand aliases.
+
+Note [Higher-order ops]
+~~~~~~~~~~~~~~~~~~~~~~~
+A higher-order op (HOP) of effectfx's graphs is a target that runs subgraphs its calling graph holds as
+``get_attr`` nodes: ``invoke_subgraph`` (a region call, Note [Region identity]) and the control flow of
+Note [Control flow].  Each has three homes, and only three:
+
+  * its run-time callable and its row in the one table ``effectfx.ops.HOPS`` (target -> ``HopSpec``: the
+    name graphs print and program files store, the argument its tokens lead, its Note, the module of its
+    rules).  Printing, serialization, the rewrites' code generation, the effect walks
+    (``effectfx.graph.walk``) and the token passes read the table, never a list of their own;
+  * its family's module in ``effectfx.hops`` (``effectfx.capture.region_call`` for regions): the capture
+    rule, installed with ``effectfx.capture.takeover.take_over(HopClass, rule)`` -- during a capture on this
+    thread, a call of torch's HOP runs ``rule(tracer, *args)`` before torch dispatches it; one mechanism for
+    every family, and a HOP with no rule is refused by name (``effectfx.capture.unsupported``) -- and its
+    autograd rule (an ``autograd.Function`` emitting the forward and backward nodes, ``hops.cond.CondCall``);
+  * its Note.
+Tokens: a HOP whose row names a token argument follows Note [Control flow]'s convention, whose rules in the
+token passes and the verifier are ``effectfx.passes.control_flow`` for all of them; a new convention is a
+new rule there, named by the row.  Torch's print HOP is captured as Python ``print`` (``hops.print_hop``):
+it leaves no node of its own, so it has no row.
+
 Note [Control flow]
 ~~~~~~~~~~~~~~~~~~~
 ``torch.cond``, ``while_loop`` and ``scan`` in captured code are taken over before torch dispatches them
-(``effectfx.capture.control_flow``): each function is traced by the tracer itself into a subgraph held by
-the calling graph, and one node runs it at run time, so the predicate and the trip count are run-time values
-and only the branch taken runs its effects:
+(Note [Higher-order ops]; ``effectfx.hops.cond``, ``effectfx.hops.loops``): each function is traced by the
+tracer itself into a subgraph held by the calling graph, and one node runs it at run time, so the predicate
+and the trip count are run-time values and only the branch taken runs its effects:
 
   ``effectfx.ops.cond(pred, true_graph, false_graph, operands) -> (*outs)``
   ``effectfx.ops.while_loop(cond_graph, body_graph, carried, additional) -> (*carried)``

@@ -1,4 +1,5 @@
-"""effectfx.codegen: the code graphs run computes what FX's code computes, and releases values as it does."""
+"""effectfx.graph.codegen: the code graphs run computes what FX's code computes, and releases values as
+it does."""
 
 from __future__ import annotations
 

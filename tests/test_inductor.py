@@ -22,11 +22,12 @@ from torch import nn
 import effectfx as efx
 from effectfx import ops
 from effectfx.backends import inductor
+from effectfx.backends import inductor_segments as segs
 from effectfx.testing import recording
 from effectfx.testing.differential import compare, run_eager, run_program
 
 # a segment falling back to un-compiled aten would still pass the comparisons: here it is an error
-pytestmark = pytest.mark.filterwarnings("error::effectfx.backends.inductor.InductorFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::effectfx.backends.inductor_segments.InductorFallbackWarning")
 
 RTOL = ATOL = 1e-4  # Inductor reorders float arithmetic (fusions, decompositions)
 STEPS = 3
@@ -79,8 +80,8 @@ def lowered_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return [getattr(gm, n.args[0].target) for n in gm.graph.nodes if n.target is ops.invoke_subgraph]
 
 
-def segments(gm: fx.GraphModule) -> list[inductor.InductorSegment]:
-    return [m for m in gm.children() if isinstance(m, inductor.InductorSegment)]
+def segments(gm: fx.GraphModule) -> list[segs.InductorSegment]:
+    return [m for m in gm.children() if isinstance(m, segs.InductorSegment)]
 
 
 def test_region_body_is_compiled_once_and_effects_stay_in_python() -> None:
@@ -211,11 +212,11 @@ def test_inference_and_compiles_do_not_grow_with_call_sites() -> None:
     x = torch.randn(2, 8)
     counts = []
     for n in (1, 3):
-        inductor.clear_cache()
-        before = inductor.STATS.compiles + inductor.STATS.loads  # loaded: compiled by an earlier run
+        segs.clear_cache()
+        before = segs.STATS.compiles + segs.STATS.loads  # loaded: compiled by an earlier run
         model = Model(n).requires_grad_(False)
         check_inductor(model, x)
-        counts.append(inductor.STATS.compiles + inductor.STATS.loads - before)
+        counts.append(segs.STATS.compiles + segs.STATS.loads - before)
     assert counts[0] == counts[1]
 
 
@@ -232,7 +233,7 @@ def test_body_reused_across_signatures() -> None:
     compiled = efx.compile(f, backend="inductor")
     x = torch.randn(4)
     compiled(x, 2.0)
-    stats = inductor.STATS
+    stats = segs.STATS
     before = (stats.compiles + stats.loads, stats.hits)
     with recording() as log:
         got = compiled(x, 3.0)  # a new signature: only the root's segment is new
@@ -307,8 +308,8 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
         raise RuntimeError("no kernel for you")
 
     monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
-    monkeypatch.setattr(inductor, "artifact_path", lambda source, inputs: tmp_path / "none.bin")
-    inductor.clear_cache()
+    monkeypatch.setattr(segs, "artifact_path", lambda source, inputs: tmp_path / "none.bin")
+    segs.clear_cache()
 
     @efx.region
     def falls_back(x):
@@ -324,18 +325,18 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
         warnings.simplefilter("always")
         (got,) = run_program(lambda f, a, k: efx.compile(f, backend="inductor"), fn, (x,), {})
     compare("fallback", eager, got)  # un-compiled: exactly the default backend's ops
-    assert any(issubclass(w.category, inductor.InductorFallbackWarning) and "falls_back" in str(w.message)
+    assert any(issubclass(w.category, segs.InductorFallbackWarning) and "falls_back" in str(w.message)
                and "no kernel for you" in str(w.message) for w in caught)
-    inductor.clear_cache()  # no refused segment survives into other tests
+    segs.clear_cache()  # no refused segment survives into other tests
 
 
 def test_a_new_process_loads_the_saved_segments() -> None:
     x = torch.randn(3)
     efx.compile(seed, backend="inductor")(x)  # compiles, or loads what an earlier run saved
-    inductor.clear_cache()  # what a new process starts with
-    before = dataclasses.replace(inductor.STATS)
+    segs.clear_cache()  # what a new process starts with
+    before = dataclasses.replace(segs.STATS)
     check_inductor(seed, x)
-    assert inductor.STATS.compiles == before.compiles and inductor.STATS.loads > before.loads
+    assert segs.STATS.compiles == before.compiles and segs.STATS.loads > before.loads
 
 
 def test_needs_token_free_form() -> None:

@@ -1,5 +1,5 @@
-"""effectfx.steps: a graph's first runs are interpreted, then its code runs; both compute the same values,
-perform the same effects in the same order, and release values after their last use."""
+"""effectfx.graph.steps: a graph's first runs are interpreted, then its code runs; both compute the same
+values, perform the same effects in the same order, and release values after their last use."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_copies_and_pickles_of_an_interpreted_module() -> None:
 @given(random_graphs(), st.booleans())
 @settings(max_examples=60, deadline=None)
 def test_random_graphs_run_as_fx_computes_in_both_tiers(case: tuple[fx.Graph, int], direct: bool) -> None:
-    """The steps and the lean code (effectfx.codegen) each compute what FX's own code computes."""
+    """The steps and the lean code (effectfx.graph.codegen) each compute what FX's own code computes."""
     graph, n_inputs = case
     steps, code = steps_for(graph, direct), runtime_code(graph, direct)
     assert steps is not None and code is not None

@@ -22,7 +22,7 @@ tensor; ``print`` turns the markers of its text into slots.  ``stream`` is 1 for
 ``sys.stderr``, looked up at run time (as eager's ``print`` does).
 
 The print higher-order op (``torch._higher_order_ops.print(format_str, *args, **kwargs)``) is this same
-effect: in eager it is ``print(format_str.format(*args, **kwargs))``, and ``effectfx.capture.hops`` runs
+effect: in eager it is ``print(format_str.format(*args, **kwargs))``, and ``effectfx.hops.print_hop`` runs
 exactly that under the tracer, so it records one ``effectfx::print`` node like any ``print``.
 
 Where the run-time print cannot equal eager's, capture warns (:class:`UnfaithfulPrintWarning`) naming the

@@ -112,7 +112,7 @@ def _read_types(old: BodyInfo, new: BodyInfo) -> tuple[str, ...]:
         if a[path] == b[path]:
             continue
         for expect in (a[path], b[path]):
-            # expectations (effectfx.capture.reads): ("=", type, value), ("str", ...) for a label operand
+            # expectations (effectfx.regions.reads): ("=", type, value), ("str", ...) for a label operand
             if expect[0] == "str":
                 types.append("str")
             elif expect[0] == "=":

@@ -7,8 +7,8 @@ per op and per region call site, so it skips that walk (about 5x cheaper per nod
 candidate once (``_Names``: the same names as FX's).  Code generation is deferred until a module is
 printed or runs a third time, because most graphs of a capture are intermediate (joint graphs, forms that
 passes immediately rewrite) and many run once or twice: a GraphModule's first runs are interpreted
-(``effectfx.steps``), and the code it runs after that comes from effectfx's lean generator
-(``effectfx.codegen``); printing still uses FX's.
+(``effectfx.graph.steps``), and the code it runs after that comes from effectfx's lean generator
+(``effectfx.graph.codegen``); printing still uses FX's.
 """
 
 from __future__ import annotations
@@ -114,14 +114,14 @@ class Graph(fx.Graph):
 
 
 class GraphModule(_LazyGraphModule):
-    """A lazily compiled GraphModule whose code comes from ``effectfx.codegen``.  ``runtime_calls``
+    """A lazily compiled GraphModule whose code comes from ``effectfx.graph.codegen``.  ``runtime_calls``
     ("direct" or "overload"), when set, says how its code calls operators whatever the graph's codegen
-    (a loaded program's graphs: ``runtime.serialize``)."""
+    (a loaded program's graphs: ``program.serialize``)."""
 
     runtime_calls: str | None = None
 
     def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
-        # the first runs are interpreted (effectfx.steps); the code is generated when the graph runs again.
+        # the first runs are interpreted (graph.steps); the code is generated when the graph runs again.
         # The state lives on the module's own class (FX makes one per module), which nothing else holds:
         # copies and pickles of the module never see it, and it dies with the module
         cls = type(self)

@@ -3,9 +3,9 @@
 A GraphModule's code costs ~15-40 us per node to generate and for Python to ``compile``, about what
 interpreting that node costs over 20 to 40 runs.  Most graphs of a capture run a handful of times, and
 the root graph of a model whose layers are regions is one call per layer: generating its code is most of
-what a call site costs on the first call.  So ``effectfx.graphs.GraphModule`` runs a graph's first
-:data:`INTERPRETED_RUNS` runs through :class:`Steps` and generates code (``effectfx.codegen``) when it runs
-again.  Both tiers do the same thing in the same order: nodes run in graph order, operators are called as
+what a call site costs on the first call.  So ``effectfx.graph.build.GraphModule`` runs a graph's
+first :data:`INTERPRETED_RUNS` runs through :class:`Steps` and generates code (``graph.codegen``) when it
+runs again.  Both tiers do the same thing in the same order: nodes run in graph order, operators are called as
 the code would call them (``OpOverload`` or its direct ``_op``), and computed values are released after
 their last use.
 

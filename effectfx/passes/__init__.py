@@ -4,8 +4,8 @@ verifies after each).  None mutates its input but ``simplify_in_place``, which e
 the capture it alone holds.  See Note [Effect tokens] for the forms.
 
 =============================================  ============================================================
-``functionalize.thread_tokens``                captured -> functionalized (tokens threaded, effects found)
-``functionalize.discover_effects``             captured -> token-free, region effects found, no rebuild
+``thread_tokens.thread_tokens``                captured -> functionalized (tokens threaded, effects found)
+``thread_tokens.discover_effects``             captured -> token-free, region effects found, no rebuild
 ``unlift.unlift_tokens``                       functionalized -> unlifted (make_token / sink_tokens)
 ``remove_tokens.remove_effect_tokens``         functionalized/unlifted -> token-free
 ``dce.dead_code_elimination_pass``             any -> same form, pure dead nodes gone, effects kept

@@ -26,7 +26,7 @@ _OP_CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]
 class DirectOpCodeGen(EffectCodeGen):
     """Generated code binds ``torch.ops.ns.op.overload`` to globals holding the overloads' ``_op``."""
 
-    runtime_calls = "direct"  # and so does the code graphs run (effectfx.codegen)
+    runtime_calls = "direct"  # and so does the code graphs run (effectfx.graph.codegen)
 
     def __init__(self) -> None:
         super().__init__()

@@ -3,7 +3,7 @@
 A :class:`GraphRewrite` walks the root graph and, through ``invoke_subgraph`` calls, every region body; it
 rebuilds each body exactly once (memoized by identity), so a subgraph shared by many call sites is still one
 subgraph object in the new program.  Subclasses give the per-node rules as a table keyed by call target.
-The input graph modules are only read, never modified (see ``functionalize/tokens.py`` for the pattern).
+The input graph modules are only read, never modified (see ``thread_tokens.py`` for the pattern).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class EffectCodeGen(fx.graph.CodeGen):
     ``with_effects(token, invoke_subgraph, ...)``); stock FX prints a plain function argument as its repr,
     which is not Python."""
 
-    runtime_calls = "overload"  # the code graphs run calls each OpOverload (effectfx.codegen)
+    runtime_calls = "overload"  # the code graphs run calls each OpOverload (effectfx.graph.codegen)
 
     # the higher-order ops of effectfx.ops.HOPS, as FX prints a function argument
     _FUNCTION_REPR = re.compile(rf"<function ({'|'.join(f.__name__ for f in ops.HOPS)}) at 0x[0-9a-fA-F]+>")

@@ -101,7 +101,7 @@ class BodyInfo:
     key_labels: tuple[str, ...]
     trace_seconds: float
     calls: int
-    guards: tuple = ()  # what its trace read: ((path, expectation), ...) (effectfx.capture.identity)
+    guards: tuple = ()  # what its trace read: ((path, expectation), ...) (effectfx.regions.identity)
     unshared: str = ""  # why calls promoted to require grad could not share its region's body
 
 

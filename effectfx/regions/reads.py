@@ -6,7 +6,7 @@ class is swapped, for the capture only and on the capturing thread only, for a s
 lookups report ``(object, name, value)`` to every active :class:`Reads`.  A read of a ``str`` inside a
 region body hands the body a :class:`Label` instead, a ``str`` that notices when its value is looked at
 (compared, hashed, formatted, sliced...).  A label that is only ever passed to effectful ops becomes an
-operand of the body (``effectfx.capture.labels``); any other use specializes the body on its value.
+operand of the body (``effectfx.regions.labels``); any other use specializes the body on its value.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from . import differential
 from .differential import EagerMismatch, StartingState, compare, fresh_args, run_form, run_sequence, state_of
 from .effect_ops import LOG, recording
 from .program import CALL_KINDS, Body, ProgramSpec, Stmt, build_source
+from .render import render
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def _check_refused(where: str, build: Callable[[], Any], refusal: str, outcome: 
 
 def check_program(spec: ProgramSpec, forms: tuple[str, ...] | None = None, calls: int = 2,
                   backend: str = "eager") -> Outcome:
-    src = spec.source()
+    src = render(spec)
     return check_model(lambda variant: build_source(src, variant), forms, calls, backend, spec.refusal())
 
 
@@ -217,7 +218,7 @@ def reproducer_source(spec: ProgramSpec, note: str = "", backend: str = "eager")
     """A standalone script that rebuilds the program and runs the differential check."""
     comment = "".join(f"# {line}\n" for line in note.splitlines())
     return (
-        comment + spec.source()
+        comment + render(spec)
         + "\n\nif __name__ == \"__main__\":\n"
         "    from effectfx.testing.checking import check_model\n\n"
         f"    outcome = check_model(make, backend={backend!r}, refusal={spec.refusal()!r})\n"
@@ -343,7 +344,7 @@ def shrink(spec: ProgramSpec, still_fails: Callable[[ProgramSpec], bool], budget
         for candidate in _candidates(spec):
             if time.monotonic() >= deadline or tries >= max_tries:
                 break
-            src = candidate.source()
+            src = render(candidate)
             if src in seen:
                 continue
             seen.add(src)

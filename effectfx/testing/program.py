@@ -296,16 +296,6 @@ class ProgramSpec:
         return sum(len(b.stmts) + 1 for _, b in self.bodies()) + len(self.inputs) + len(self.weights) \
             + len(self.blocks)
 
-    # -- source --------------------------------------------------------------------------------------
-    def source(self) -> str:
-        from .render import render  # render reads this module's tables
-
-        return render(self)
-
-    def build(self, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
-        """Execute :meth:`source` in a fresh namespace: a new module class and new region objects every
-        time.  ``variant`` picks different input values of the same signature."""
-        return build_source(self.source(), variant, filename)
 
 
 def mutated_params(body: Body, region: Callable[[str], RegionSpec]) -> set[str]:

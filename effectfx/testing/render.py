@@ -4,7 +4,8 @@ also what runs, so a printed reproducer is exactly what ran."""
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+
+import torch
 
 from .program import (
     BINARY,
@@ -18,10 +19,13 @@ from .program import (
     PRINTS,
     REDUCE,
     UNARY,
+    Body,
+    ProgramSpec,
+    RegionSpec,
+    Stmt,
+    build_source,
 )
 
-if TYPE_CHECKING:
-    from .program import Body, ProgramSpec, RegionSpec, Stmt
 
 def _call_expr(spec: ProgramSpec, s: Stmt, module_ref: str | None, args: tuple[str, ...]) -> str:
     region = spec.region(s.op)
@@ -167,3 +171,9 @@ def render(spec: ProgramSpec) -> str:
     lines += [f"        torch.randn(B, D, generator=g).requires_grad_({rg})," for rg in spec.inputs]
     lines += ["    )", "    return model, args", ""]
     return "\n".join(lines)
+
+
+def build(spec: ProgramSpec, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
+    """Execute :func:`render`'s source in a fresh namespace: a new module class and new region objects
+    every time.  ``variant`` picks different input values of the same signature."""
+    return build_source(render(spec), variant, filename)

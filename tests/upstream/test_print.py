@@ -10,7 +10,7 @@ they show: the prints are effects on the ``"ordered"`` key, chained by one token
 A higher-order op may be supported (then every check above applies) or refused with a named
 ``efx.EffectfxError`` by every form and by ``efx.compile`` before anything printed; a raw torch exception is
 neither.  effectfx captures the print HOP as Python ``print`` (one ``effectfx::print`` node on ``"ordered"``,
-``effectfx.capture.hops``), so the comparisons with eager apply.  effectfx's static shapes turn upstream's
+``effectfx.hops.print_hop``), so the comparisons with eager apply.  effectfx's static shapes turn upstream's
 "new input shape" runs into a second signature.
 
 The Inductor-named tests port their observable part (values and the printed lines, in order) and run with
