@@ -27,10 +27,10 @@ Note [Region identity]
 ~~~~~~~~~~~~~~~~~~~~~~
 A region (``@effectfx.region``) is traced once per *identity* and then called through
 ``invoke_subgraph(subgraph, identifier, *operands)``.  The code is the package ``effectfx.regions``: the
-key and the guards (``identity``), what a trace reads (``reads``), labels (``labels``), the region cache of
-one capture (``cache``), the effects known per body across captures (``effects``) and the words
-``efx.explain`` and ``efx.compile`` use for all of them (``words``); a call site during capture is
-``effectfx.capture.region_call``.  Identity has two halves:
+key and the guards (``identity``), promotion (``promotion``), what a trace reads (``reads``), labels
+(``labels``), the region cache of one capture (``cache``), the effects known per body across captures
+(``effects``) and the words ``efx.explain`` and ``efx.compile`` use for all of them (``words``); a call
+site during capture is ``effectfx.capture.region_call``.  Identity has two halves:
 
   * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
     enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,

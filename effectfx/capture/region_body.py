@@ -17,10 +17,10 @@ from ..autograd.partition import without_gradients
 from ..errors import EffectfxError
 from ..graph.meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
 from ..graph.source import definition
-from ..graph.walk import is_effectful
 from ..regions.cache import PartialBackward, RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
+from ..regions.promotion import history_guards, refusal_after_trace
 from ..regions.reads import Reads, raw, recording, report_read
 from .arguments import check_containers_unchanged, leaf_names
 from .call_site import CallSite
@@ -79,12 +79,9 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
     finally:
         tracer.region_stack.pop()
         torch.clear_autocast_cache()
-    if tracer.label_mode.grad_state_reads > grad_state_reads or any(ambient()[1:]):
-        # the code looked at autograd state (``x.is_leaf``, ``x.grad_fn is None``), or autocast caches its
-        # casts of leaves that require grad: whether each tensor argument has a history is part of what the
-        # body is for (the key has its requires_grad)
-        for i, leaf in leafness.items():
-            reads.guards.setdefault((("leaf", i), "is_leaf"), ("=", bool, leaf))
+    looked = tracer.label_mode.grad_state_reads > grad_state_reads
+    for path, expect in history_guards(looked, any(ambient()[1:]), leafness).items():
+        reads.guards.setdefault(path, expect)
     return traced, tuple(reads.guards.items())
 
 
@@ -107,7 +104,7 @@ def trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec
         why = f"its trace failed ({type(exc).__name__})"  # an exact trace says why, if it must
     reads = tracer.label_mode.grad_state_reads - reads
     if traced is not None:
-        why = unpromotable_reason(traced, reads)
+        why = refusal_after_trace(traced, reads)
     if promoted and why is not None:
         cache.restore(state)
         cache.unpromotable[region.fn] = why
@@ -123,23 +120,6 @@ def trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec
     body.attr = re.sub(r"\W", "_", region.name) + "_" + identifier.replace("_", "")
     cache.add(body)
     return body
-
-
-def unpromotable_reason(traced: TracedGraph, grad_state_reads: int) -> str | None:
-    """Why a body traced with promoted arguments would not be eager's for a call that passes them without
-    grad (Note [Region identity]), or None."""
-    if traced.mutated:
-        return "it updates an operand in place"
-    if grad_state_reads:
-        return ("its code (or a region it calls) reads a tensor's autograd state (requires_grad, grad_fn, "
-                "is_leaf or grad) or calls an autograd.Function")
-    if traced.backward is None:
-        return None
-    if traced.custom_autograd:
-        return "it calls a torch.autograd.Function"
-    if any(is_effectful(n) for n in traced.backward.graph.nodes if n.op == "call_function"):
-        return "its backward has effects, which eager runs only for the gradients it needs"
-    return None
 
 
 def restricted(body: RegionBody, backward: fx.GraphModule, attr: str, grad_meta: list,

@@ -17,7 +17,8 @@ from ..graph.meta import TensorMeta, TracedGraph, tangents_of
 from ..graph.source import definition, user_location
 from ..regions.cache import RegionBody
 from ..regions.decorator import Region
-from ..regions.identity import ModuleWalk, ambient_context, call_key, promoted_key, resolve
+from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
+from ..regions.promotion import promoted_key, refusal_before_trace
 from ..regions.reads import raw
 from .arguments import flatten_call
 from .call_site import CallSite, emit_invoke, operand_node
@@ -117,8 +118,8 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     if body is None:
         # Note [Region identity], promotion: arguments without grad share the body of those with it
         pkey = promoted_key(key, leaves)
-        if pkey is not None and any(key[0][1:]):  # autocast caches its casts of leaves requiring grad
-            why = "autocast is on, and it casts a leaf that requires grad once for all its uses"
+        why = refusal_before_trace(key) if pkey is not None else None
+        if why is not None:
             tracer.regions.unpromotable.setdefault(region.fn, why)
             pkey = None
         if pkey is not None and region.fn not in tracer.regions.unpromotable:

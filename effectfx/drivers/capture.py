@@ -23,6 +23,8 @@ from ..capture.tracer import Tracer
 from ..errors import UnsupportedMutationError
 from ..graph.meta import OperandSource
 from ..graph.walk import subgraphs
+from ..passes.pipeline import run_passes
+from ..passes.thread_tokens import thread_tokens
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
@@ -194,9 +196,6 @@ def capture(fn: Callable[..., Any], *args: Any, functionalize: bool = True,
             **kwargs: Any) -> Program | TrainingProgram:
     """Capture ``fn(*args, **kwargs)``: the functionalized form, or the captured form if
     ``functionalize=False``.  Returns a TrainingProgram when outputs require grad."""
-    from ..passes.pipeline import run_passes
-    from ..passes.thread_tokens import thread_tokens
-
     prog = trace_program(fn, args, kwargs)
     if not functionalize:
         return prog

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..errors import BackendError
 from ..graph.meta import TensorMeta
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
@@ -133,8 +134,6 @@ class CompiledCallable:
 
     def __init__(self, fn: Callable[..., Any], backend: str = "eager") -> None:
         if backend not in BACKEND_PASSES:
-            from ..errors import BackendError
-
             raise BackendError(f"unknown backend {backend!r}; choose one of {sorted(BACKEND_PASSES)}.")
         self.fn = fn
         self.backend = backend

@@ -30,9 +30,10 @@ from torch.utils._pytree import tree_unflatten
 
 from .. import ops
 from ..capture.arguments import leaf_names
+from ..drivers.capture import capture
 from ..drivers.compile import CompiledCallable, CompiledEntry
-from ..effects import effect_of
-from ..graph.walk import subgraphs
+from ..effects import effect_of, implicit_effects
+from ..graph.walk import region_call, subgraphs
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo
 from ..regions.words import body_differences, key_differences, part_differences
@@ -58,14 +59,10 @@ def _graph_size(program: str, graph: str, identifier: str | None, gm: fx.GraphMo
             continue
         ops_ += 1
         target = node.target
-        if target is ops.with_effects:
-            if len(node.args) > 1 and node.args[1] is ops.invoke_subgraph:
-                calls += 1
-            else:
-                effects += 1
-        elif target is ops.invoke_subgraph:
+        if region_call(node) is not None:
             calls += 1
-        elif isinstance(target, torch._ops.OpOverload) and effect_of(target) is not None:
+        elif target is ops.with_effects or (isinstance(target, torch._ops.OpOverload)
+                                            and effect_of(target) is not None):
             effects += 1
     return GraphSize(program, graph, identifier, nodes, ops_, effects, calls)
 
@@ -295,8 +292,6 @@ def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None)
     if any(g.effects for p in programs for g in p.graphs):
         # custom ops kept as effects only by their schema (effects.effect_of); the registry answers per op,
         # not per program, so these are the ones seen in this process
-        from ..effects import implicit_effects
-
         for qualname in implicit_effects():
             notes.append(f"op '{qualname}' is treated as an ordered effect (key 'ordered') because it "
                          "returns nothing and mutates nothing, so it exists only for its side effect; "
@@ -330,8 +325,6 @@ def explain(fn_or_compiled: Any, *args: Any, **kwargs: Any) -> Explanation:
     if not callable(target):
         raise TypeError(f"efx.explain: expected a function, module, efx.compile'd callable or Program, "
                         f"got {type(target).__name__}")
-    from ..drivers.capture import capture
-
     prog = capture(target, *args, **kwargs)
     name = getattr(target, "__name__", type(target).__name__)
     report = _program_report(prog, name, target)

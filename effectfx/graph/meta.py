@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
+from ..errors import CaptureError
+
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
@@ -168,8 +170,6 @@ def same_forward(full: fx.GraphModule, part: fx.GraphModule, where: str) -> None
 
 
 def raise_changed(where: str) -> None:
-    from ..errors import CaptureError
-
     raise CaptureError(
         f"{where}: its backward was asked for some of its outputs only, which effectfx traces anew (Note "
         "[Partial backward]), but the new trace ran a different forward (state the code reads changed since "

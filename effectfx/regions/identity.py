@@ -12,7 +12,6 @@ site reuses the first body with its key whose guards hold on its own arguments.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -115,27 +114,6 @@ def call_key(leaves: Sequence[Any], spec: Any, labels: bool = True,
     """``walks``: the call site's walk of each module argument, by leaf position."""
     get = (walks or {}).get
     return (ambient(), spec, *[leaf_key(v, labels, get(i)) for i, v in enumerate(leaves)])
-
-
-def promoted_key(key: tuple, leaves: Sequence[Any]) -> tuple | None:
-    """The key of a call under grad mode with its floating tensor arguments that do not require grad
-    promoted to require it, when another of its tensors does (Note [Region identity], promotion): the
-    first layer of a stack, whose input needs no gradient, shares the body of the others.  None when
-    nothing is promoted."""
-    if not key[0][0]:
-        return None
-    parts, promoted, needs_grad = list(key), False, False
-    for i, leaf in enumerate(leaves):
-        part = parts[2 + i]
-        if isinstance(part, TensorMeta):
-            if part.requires_grad:
-                needs_grad = True
-            elif part.dtype.is_floating_point or part.dtype.is_complex:
-                parts[2 + i] = dataclasses.replace(part, requires_grad=True)
-                promoted = True
-        elif isinstance(leaf, torch.nn.Module):
-            needs_grad = needs_grad or any(meta.requires_grad for _, meta in part[1][1])
-    return tuple(parts) if promoted and needs_grad else None
 
 
 def leaf_of_key(key: tuple, i: int) -> Any:

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..effects import effect_of
+from ..graph.walk import region_call
 from ..program.printing import graph_code, program_text
 
 # Distinct, readable on white; assigned to effect keys in sorted order.
@@ -146,14 +147,9 @@ class _GraphDescriber:
                 tok[n] = key
         subgraph_attrs = set()
         for node in gm.graph.nodes:
-            if node.op == "call_function":
-                args = node.args
-                if node.target is ops.with_effects and len(args) > 1 and args[1] is ops.invoke_subgraph:
-                    args = args[2:]
-                elif node.target is not ops.invoke_subgraph:
-                    continue
-                if isinstance(args[0], fx.Node):
-                    subgraph_attrs.add(args[0].target)
+            call = region_call(node)
+            if call is not None and isinstance(call[1][0], fx.Node):
+                subgraph_attrs.add(call[1][0].target)
 
         for node in gm.graph.nodes:
             d: dict[str, Any] = {"name": node.name, "kind": "op", "target": "", "args": [], "text": "",
