@@ -88,6 +88,10 @@ class InductorSegment(torch.nn.Module):
         """Why the segment runs un-compiled, if it does."""
         return None if self.compiled is not None else self._found[1]  # type: ignore[index]
 
+    def __call__(self, *args: torch.Tensor) -> Any:
+        # a segment is effectfx's, not the user's: torch's global module hooks must not see it
+        return self.forward(*args)
+
     def forward(self, *args: torch.Tensor) -> Any:
         run = self.run
         if run is not None:

@@ -28,8 +28,9 @@ from ..passes.thread_tokens import thread_tokens
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
-from ..regions.identity import ambient_context
-from ..regions.reads import Reads, recording
+from ..regions import hooks
+from ..regions.identity import ambient_context, code_reads
+from ..regions.reads import Reads, recording, report_read
 
 
 @contextlib.contextmanager
@@ -87,6 +88,9 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         for obj in (owner, *leaves):
             if obj is not None and not isinstance(obj, torch.Tensor):
                 tracer.watcher.watch(obj)
+        if owner is None:  # a function's closure and globals: guarded, and where its tensors live
+            for holder, step, value in code_reads(fn):
+                report_read(holder, step, value)
         new_leaves = list(leaves)
         with tracer.graph(scope.builder):
             for i, leaf in enumerate(leaves):
@@ -99,6 +103,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
                              target, grad_outputs)
         check_containers_unchanged("the captured function", target, names, spec, new_leaves, call_args,
                                    call_kwargs)
+        hook_guards = _hook_guards(owner, leaves, tracer.watcher.watched.values())
 
     cache = tracer.regions
     bodies = tuple(
@@ -121,7 +126,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         traced.forward, signature, lifted, traced.out_spec, tuple(traced.out_layout),
         regions=_regions_of(traced.forward, tracer), history=record,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
-        bodies=bodies, guards=tuple(reads.guards.items()), mutations=traced.mutated,
+        bodies=bodies, guards=(*reads.guards.items(), *hook_guards), mutations=traced.mutated,
+        lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
     )
     if traced.backward is None:
         return forward
@@ -149,6 +155,19 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
 
     return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace,
                            traced.covered_by)
+
+
+def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:
+    """Guards on the hooks of every module the program may run -- the compiled module's, the modules it
+    is passed, those its code read (watched), with all their submodules -- and on torch's global module
+    hooks: a hook registered or removed on any of them captures anew (Note [Region identity])."""
+    roots = [owner, *leaves, *(obj for obj, _ in watched)]
+    modules: dict[int, torch.nn.Module] = {}
+    for root in roots:
+        if isinstance(root, torch.nn.Module) and id(root) not in modules:
+            for sub in root.modules():
+                modules.setdefault(id(sub), sub)
+    return [hooks.guard(m) for m in (*modules.values(), hooks.GLOBAL)]
 
 
 def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> None:

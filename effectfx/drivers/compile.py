@@ -84,6 +84,21 @@ def _shallow(value: Any) -> Any:
 Slot = tuple[dict, str]  # (a module's _parameters, _buffers or __dict__, name): where a lifted tensor lives
 
 
+def _slot(tensor: torch.Tensor, source: Any) -> Slot | None:
+    """Where a lifted tensor the capture read from an object (a module reached through a closure or a
+    global, a global tensor) lives, to be read again at each call: a replaced one is seen."""
+    if source is None:
+        return None
+    owner, step = source
+    if isinstance(step, tuple):  # ("item", key) of a dict: a global
+        return (owner, step[1]) if isinstance(owner, dict) and owner.get(step[1]) is tensor else None
+    tables = (owner._parameters, owner._buffers) if isinstance(owner, torch.nn.Module) else ()
+    for table in (*tables, getattr(owner, "__dict__", {})):
+        if table.get(step) is tensor:
+            return table, step
+    return None
+
+
 @dataclass
 class CompiledEntry:
     """One compiled signature: its program, and where to read the tensors it lifted at each call."""
@@ -237,7 +252,8 @@ class CompiledCallable:
         return CompiledEntry(
             program,
             tuple(i for i, _ in forward.signature.tensor_meta),
-            tuple(self._slots.get(id(t)) for t in forward.lifted),
+            tuple(self._slots.get(id(t)) or _slot(t, src)
+                  for t, src in zip(forward.lifted, forward.lifted_from or (None,) * len(forward.lifted))),
             tuple(TensorMeta.of(t) for t in forward.lifted),
             seconds,
             forward.guards,

@@ -135,7 +135,10 @@ class GraphModule(_LazyGraphModule):
             tier[1] += 1
             return tier[0](self, args)
         tier[0] = None  # the code runs from now on
-        return super()._lazy_forward(*args, **kwargs)
+        # FX's lazy forward would call the module (``self(...)``), and so run torch's global module hooks
+        # on effectfx's own graphs: call the generated code directly, as every later run does
+        self.real_recompile()
+        return type(self).forward(self, *args, **kwargs)
 
     forward = _lazy_forward
 

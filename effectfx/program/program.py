@@ -44,6 +44,9 @@ class Program:
     # inputs (by position in run_flat's list) written in place: their new values follow the user's tensor
     # outputs, and the caller writes them back (Note [Mutations])
     mutations: tuple[int, ...] = ()
+    # per lifted tensor: (object, attribute or ("item", key)) the capture read it from, or None: where a
+    # compiled program reads it again at each call (not saved: live objects, like the guards)
+    lifted_from: tuple = ()
 
     # -- inspection ------------------------------------------------------------------------------
     @property

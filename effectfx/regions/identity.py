@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..graph.meta import TensorMeta
+from .hooks import GLOBAL, HOOKS, global_hook_key, global_tables, has_hooks, hook_key, hooks_of, tables
 from .reads import (
     MISSING,
     Label,
@@ -86,9 +87,13 @@ class ModuleWalk:
         self.tensors = dict(module_tensors(module, self.subs))
 
     def structure(self) -> tuple:
-        """A module as a body's key holds it: classes and tensor metadata by name; attributes are guards."""
+        """A module as a body's key holds it: classes, tensor metadata by name and the hooks of every
+        submodule (``regions.hooks``, with torch's global ones); attributes are guards."""
+        hooks = tuple((prefix, hook_key(sub, True)) for prefix, sub in self.subs if has_hooks(sub))
+        global_hooks = global_hook_key(True)
         return (tuple((prefix, class_of(sub)) for prefix, sub in self.subs),
-                tuple((name, TensorMeta.of(t)) for name, t in self.tensors.items()))
+                tuple((name, TensorMeta.of(t)) for name, t in self.tensors.items()),
+                (hooks, global_hooks) if hooks or global_hooks else ())
 
 
 def leaf_key(value: Any, labels: bool = True, walk: ModuleWalk | None = None) -> Any:
@@ -168,6 +173,9 @@ def _code_like(value: Any) -> bool:
 
 
 def step(value: Any, s: Any) -> Any:
+    if s == HOOKS:  # a module's hooks (or torch's global ones, from the GLOBAL root): regions.hooks
+        found = hooks_of(value)
+        return MISSING if found is None else found
     if isinstance(s, tuple):  # ("item", key) of a dict
         return value.get(s[1], MISSING) if isinstance(value, dict) else MISSING
     try:
@@ -211,15 +219,25 @@ def guards_hold(guards: tuple, leaves: Sequence[Any]) -> bool:
     return True
 
 
-def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple]:
+def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple, tuple]:
     """A compiled program's guards split for its hot path: ``(object, attribute, value)`` for a plain value
     read straight off an object (most of them: ``training``, config fields), checked with one getattr and
     one comparison; ``(object, attributes, object)`` for an object reached through attributes (a layer's
-    submodule, every call site's), checked by identity; the rest as general guards."""
+    submodule, every call site's), checked by identity; the rest as general guards; and the hook guards
+    (``regions.hooks``): the hook tables that must stay empty, tested together, and the modules whose
+    hooks must stay what they were."""
     fast, same, rest = [], [], []
+    empty: list[dict] = []
+    hooked: list[tuple[Any, tuple]] = []
     for path, expect in guards:
         steps = path[1:]
-        if path[0][0] != "id" or not all(isinstance(s, str) for s in steps):
+        if expect[0] == "hooks":
+            obj = path[0][1].obj
+            if expect[1]:
+                hooked.append((obj, expect[1]))
+            else:
+                empty.extend(global_tables() if obj is GLOBAL else tables(obj))
+        elif path[0][0] != "id" or not all(isinstance(s, str) for s in steps):
             rest.append((path, expect))
         elif len(steps) == 1 and expect[0] == "=" and expect[1] in (bool, int, float, str, type(None)):
             fast.append((path[0][1].obj, steps[0], expect[2]))
@@ -228,10 +246,13 @@ def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple]:
                          expect[1].obj if expect[0] == "is" else None))
         else:
             rest.append((path, expect))
-    return tuple(fast), tuple(same), tuple(rest)
+    return tuple(fast), tuple(same), tuple(rest), (tuple(empty), tuple(hooked))
 
 
-def object_guards_hold(fast: tuple, same: tuple, rest: tuple) -> bool:
+def object_guards_hold(fast: tuple, same: tuple, rest: tuple, hooks: tuple = ((), ())) -> bool:
+    empty, hooked = hooks
+    if any(empty) or not all(hooks_of(obj) == expected for obj, expected in hooked):
+        return False
     for obj, name, value in fast:
         got = getattr(obj, name, MISSING)
         if got is not value and (type(got) is not type(value) or got != value):

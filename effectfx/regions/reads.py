@@ -145,6 +145,8 @@ def satisfies(value: Any, expect: tuple) -> bool:
         return value is expect[1].obj
     if kind == "state":
         return value is expect[1].obj and freeze(vars(value)) == expect[2]
+    if kind == "hooks":  # (value: what regions.hooks reads of a module's hooks)
+        return value == expect[1]
     return value is MISSING  # "missing"
 
 
@@ -178,9 +180,12 @@ def report_read(obj: Any, name: Any, value: Any, watch: bool = True) -> Any:
     stack = getattr(_LOCAL, "stack", None)
     if not stack or name[:2] == "__" or (name in _MODULE_INTERNALS and isinstance(obj, torch.nn.Module)):
         return value
-    if isinstance(value, torch.Tensor) or (callable(value) and not isinstance(value, torch.nn.Module)
-                                           and getattr(value, "__self__", None) is obj):
-        return value  # tensors are lifted operands; methods come with the (keyed) class
+    if isinstance(value, torch.Tensor):
+        for reads in stack:
+            reads.tensor_read(obj, name, value)
+        return value  # tensors are lifted operands
+    if callable(value) and not isinstance(value, torch.nn.Module) and getattr(value, "__self__", None) is obj:
+        return value  # methods come with the (keyed) class
     value = stack[-1].read(obj, name, value, innermost=True, watch=watch)  # first: it may hand out a Label
     for reads in stack[:-1]:
         reads.read(obj, name, value, watch=watch)
@@ -271,6 +276,9 @@ class Reads:
         self.named: list[Any] = []
         self.guards: dict[Path, tuple] = {}
         self.on_label = on_label  # makes a Label for a str the body read (bodies only)
+        # id(tensor) -> (object, step) it was first read from (the root's: a compiled program reads it
+        # there again at each call, so a replaced tensor attribute is seen)
+        self.tensor_sources: dict[int, tuple[Any, Any]] = {}
 
     def root(self, obj: Any, path: Path) -> None:
         """``obj`` is reachable at ``path`` (an argument of the body); watch what is read from it."""
@@ -297,6 +305,10 @@ class Reads:
                 self.paths[id(value)] = path
                 self.named.append(value)  # its id names it only while it lives
         return value
+
+    def tensor_read(self, owner: Any, step: Any, value: torch.Tensor) -> None:
+        if not self.structural:
+            self.tensor_sources.setdefault(id(value), (owner, step))
 
     def specialize(self, path: Path, value: str) -> None:
         self.guards[path] = ("=", str, value)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..graph.meta import TensorMeta
+from .hooks import GLOBAL, HOOKS
 from .identity import AUTOCAST_DEVICES
 from .reads import MISSING, plain_value, raw
 
@@ -26,7 +27,10 @@ def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, st
             text = "globals" if isinstance(obj, dict) and "__name__" in obj else (
                 "a closure cell" if type(obj).__name__ == "cell" else f"a {type(obj).__name__}")
     for s in path[1:]:
-        if isinstance(s, tuple):
+        if s == HOOKS:
+            is_global = root[0] == "id" and root[1].obj is GLOBAL
+            text = "torch's global module hooks" if is_global else f"{text} hooks"
+        elif isinstance(s, tuple):
             text = s[1] if text == "globals" else f"{text}[{s[1]!r}]"
         elif s == "cell_contents" and text == "a closure cell":
             text = "a closed-over value"
@@ -47,6 +51,8 @@ def expect_text(expect: tuple) -> str:
         return "a str (an operand)"
     if kind == "type":
         return f"a {expect[1].__name__}"
+    if kind == "hooks":
+        return _hooks_text(expect[1])
     if kind in ("is", "state"):
         return f"that {type(expect[1].obj).__name__} object" + (" in that state" if kind == "state" else "")
     return "<missing>"
@@ -66,9 +72,15 @@ def value_text(value: Any) -> str:
     return repr(value) if plain_value(value) else f"a {type(value).__name__}"
 
 
+def _hooks_text(key: tuple) -> str:
+    n = sum(len(table) for table in key) if key else 0
+    return f"{n} hook{'s' if n != 1 else ''}"
+
+
 def guard_text(path: tuple, expect: tuple, found: Any, objects: dict[int, str] | None = None) -> str:
     """One guard that failed: ``Model.h.0.attn.scale: 0.5 -> 0.25``."""
-    return f"{path_text(path, (), objects)}: {expect_text(expect)} -> {value_text(found)}"
+    got = _hooks_text(found) if expect[0] == "hooks" and isinstance(found, tuple) else value_text(found)
+    return f"{path_text(path, (), objects)}: {expect_text(expect)} -> {got}"
 
 
 def guard_differences(old: tuple, new: tuple, leaf_names: Sequence[str] = ()) -> list[str]:
@@ -114,6 +126,16 @@ def _diff_structure(label: str, a: tuple, b: tuple) -> list[str]:
             out.append(f"{where}: submodule {'added' if prefix not in ca else 'removed'}")
         elif ca[prefix] is not cb[prefix]:
             out.append(f"{where}: class {ca[prefix].__name__} -> {cb[prefix].__name__}")
+    if a[2:] != b[2:]:
+        ha, hb = dict(a[2][0]) if a[2:] and a[2] else {}, dict(b[2][0]) if b[2:] and b[2] else {}
+        for prefix in dict.fromkeys([*ha, *hb]):
+            if ha.get(prefix) != hb.get(prefix):
+                where = f"{label}.{prefix}" if prefix else label
+                before, after = _hooks_text(ha.get(prefix, ())), _hooks_text(hb.get(prefix, ()))
+                out.append(f"{where}: hooks {before} -> {after} (other functions, or other values they "
+                           "close over)")
+        if (a[2][1] if a[2:] and a[2] else ()) != (b[2][1] if b[2:] and b[2] else ()):
+            out.append(f"{label}: torch's global module hooks changed")
     ta, tb = dict(a[1]), dict(b[1])
     for name in dict.fromkeys([*ta, *tb]):
         if name not in ta or name not in tb:
