@@ -219,14 +219,16 @@ def guards_hold(guards: tuple, leaves: Sequence[Any]) -> bool:
     return True
 
 
-def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple, tuple]:
+def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple, tuple, tuple]:
     """A compiled program's guards split for its hot path: ``(object, attribute, value)`` for a plain value
     read straight off an object (most of them: ``training``, config fields), checked with one getattr and
     one comparison; ``(object, attributes, object)`` for an object reached through attributes (a layer's
-    submodule, every call site's), checked by identity; the rest as general guards; and the hook guards
+    submodule, every call site's), checked by identity; ``(object, attributes, value)`` for a plain value
+    at the end of such a chain (``model.config.use_cache``, a layer's ``attn.scale``); the rest as general
+    guards; and the hook guards
     (``regions.hooks``): the hook tables that must stay empty, tested together, and the modules whose
     hooks must stay what they were."""
-    fast, same, rest = [], [], []
+    fast, same, chains, rest = [], [], [], []
     empty: list[dict] = []
     hooked: list[tuple[Any, tuple]] = []
     for path, expect in guards:
@@ -244,12 +246,14 @@ def object_guards(guards: tuple) -> tuple[tuple, tuple, tuple, tuple]:
         elif expect[0] == "is" or (expect[0] == "=" and expect[1] is type(None)):
             same.append((*_first_step(path[0][1].obj, steps[0]), steps[1:],
                          expect[1].obj if expect[0] == "is" else None))
+        elif expect[0] == "=" and expect[1] in (bool, int, float, str):
+            chains.append((*_first_step(path[0][1].obj, steps[0]), steps[1:], expect[2]))
         else:
             rest.append((path, expect))
-    return tuple(fast), tuple(same), tuple(rest), (tuple(empty), tuple(hooked))
+    return tuple(fast), tuple(same), tuple(chains), tuple(rest), (tuple(empty), tuple(hooked))
 
 
-def object_guards_hold(fast: tuple, same: tuple, rest: tuple, hooks: tuple = ((), ())) -> bool:
+def object_guards_hold(fast: tuple, same: tuple, chains: tuple, rest: tuple, hooks: tuple = ((), ())) -> bool:
     empty, hooked = hooks
     if any(empty) or not all(hooks_of(obj) == expected for obj, expected in hooked):
         return False
@@ -262,6 +266,12 @@ def object_guards_hold(fast: tuple, same: tuple, rest: tuple, hooks: tuple = (()
         for name in steps:
             obj = getattr(obj, name, MISSING)
         if obj is not value:
+            return False
+    for holder, first, steps, value in chains:
+        got = holder.get(first, MISSING) if type(holder) is dict else getattr(holder, first, MISSING)
+        for name in steps:
+            got = getattr(got, name, MISSING)
+        if got is not value and (type(got) is not type(value) or got != value):
             return False
     return guards_hold(rest, ())
 
