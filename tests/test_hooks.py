@@ -128,6 +128,31 @@ def test_a_global_module_hook_registered_after_a_compiled_call() -> None:
     assert logs(compiled, x) == []
 
 
+@pytest.mark.parametrize("kind", ["full backward", "backward pre"])
+def test_backward_hooks_inside_a_region_are_each_layers_own(kind: str) -> None:
+    """A backward hook runs in the backward graph, where eager's engine runs it: bw2, bw1, bw0."""
+    model = Stack()
+    for i, block in enumerate(model.blocks):
+        if kind == "full backward":
+            block.lin.register_full_backward_hook(lambda m, gin, gout, n=f"bw{i}": log_tensor(gout[0], n))
+        else:
+            block.lin.register_full_backward_pre_hook(lambda m, gout, n=f"bw{i}": log_tensor(gout[0], n))
+    eager = check_against_eager(model, torch.randn(2, 4, requires_grad=True))
+    assert [e[1] for e in eager.log] == ["bw2", "bw1", "bw0"]
+
+
+def test_a_tensor_hook_inside_a_region() -> None:
+    @efx.region
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x * w
+        y.register_hook(lambda g: log_tensor(g, "y.grad"))
+        return y.sum()
+
+    eager = check_against_eager(lambda x, w: product(x, w) * 2, torch.randn(3, requires_grad=True),
+                                torch.randn(3, requires_grad=True))
+    assert [e[1] for e in eager.log] == ["y.grad"]
+
+
 def test_gpt2_attention_hooks_log_each_layer() -> None:
     model = hf.build("gpt2")
     for i, layer in enumerate(hf.layers_of(model, "gpt2")):

@@ -4,7 +4,9 @@ Contract: requires a graph whose nodes carry ``meta["phase"]`` and whose output 
 ``(*outs, *grads)``; gives a forward graph ``inputs -> (*outs, *saved)`` and a backward graph
 ``(*saved, *tangents) -> grads``, where ``saved`` are exactly the forward values backward nodes read.
 With ``pass_inputs`` (a region body), saved values that are tensor inputs of the forward are not
-returned: the caller already holds them and passes them to the backward itself (``Partition.inputs``).
+returned: the caller already holds them and passes them to the backward itself (``Partition.inputs``);
+so are label inputs (strings) the backward reads -- an effect its recompute performs again, as
+``torch.utils.checkpoint`` does (Note [Region identity], labels).
 Every effectful node survives, in the graph of its phase.
 """
 
@@ -104,7 +106,7 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
 
     # a body's saved tensor inputs are the call site's to pass (Partition.inputs)
     position = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder" and n in forward)
-                if pass_inputs and isinstance(n.meta.get("val"), torch.Tensor)}
+                if pass_inputs and isinstance(n.meta.get("val"), (torch.Tensor, str))}
     inputs = tuple(position.get(n) for n in saved)
     # the joint module is ours and dies here: cut it down to the forward module in place (no copy)
     output.args = ((*outs, *[n for n, i in zip(saved, inputs) if i is None]),)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError
@@ -43,8 +44,7 @@ class RegionCall(torch.autograd.Function):
         outs = results[: traced.n_outs]
         # the backward reads the saved values the body returned, and the operands it saved as they are
         saved = iter(results[traced.n_outs:])
-        ctx.saved = [next(saved) if j is None else operand_node(tracer, raw(operands[j]))
-                     for j in traced.saved_inputs]
+        ctx.saved = [next(saved) if j is None else _passed(tracer, operands[j]) for j in traced.saved_inputs]
         ctx.tracer, ctx.body = tracer, body
         # which operands are tensors: the node's edges, in order (an output's operands: TracedGraph.out_deps)
         ctx.tensor_operands = tuple(j for j, o in enumerate(operands) if isinstance(o, torch.Tensor))
@@ -63,7 +63,8 @@ class RegionCall(torch.autograd.Function):
         traced = body.traced
         tangents = tangents_of(grads, traced.tangent_mask)  # a copy made here is recorded in the graph
         live = tuple(g is not None for g in tangents)
-        if ctx.saved and ctx.saved[0].graph is not ctx.tracer.builder.graph:
+        node = next((n for n in ctx.saved if isinstance(n, fx.Node)), None)
+        if node is not None and node.graph is not ctx.tracer.builder.graph:
             raise CaptureError(
                 f"the backward of region {body.region.name!r} ({body.identifier}) runs while another graph "
                 f"is being traced (torch.autograd.grad inside a region, of a tensor its caller computed?) "
@@ -93,6 +94,15 @@ class RegionCall(torch.autograd.Function):
         results = emit_invoke(ctx.tracer, backward, body.identifier, attr, operands, grad_meta)
         it = iter(results)
         return (None, None, None, *[next(it) if m else None for m in traced.grad_mask])
+
+
+def _passed(tracer: Tracer, operand: Any) -> Any:
+    """What the call site hands the backward call for one of its operands the body's backward reads: the
+    operand's node, or a label's (an effect a checkpoint's recompute performs again)."""
+    if isinstance(operand, str):
+        labels = tracer.builder.labels
+        return labels.node_for(operand) if labels is not None else raw(operand)
+    return operand_node(tracer, raw(operand))
 
 
 def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> Any:

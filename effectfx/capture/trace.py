@@ -64,8 +64,6 @@ class Scope:
         # a body's labels (effectfx.regions.labels); the root bakes every string in
         self.labels = BodyLabels(self.add_label) if region is not None else None
         self.builder = GraphBuilder(name, self.lift, self.lift_real, self.labels)
-        if self.labels is not None:
-            self.labels.phase = lambda: self.builder.phase
 
     def add_input(self, name: str, source: OperandSource, fake: torch.Tensor) -> None:
         self.nodes.append(self.builder.placeholder(placeholder_name(name), fake))
@@ -342,7 +340,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
     part = partition_joint(joint, len(out_nodes), pass_inputs=scope.region is not None)
     return TracedGraph(
         part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,
-        saved_meta=[TensorMeta.of(n.meta["val"]) for n in part.saved],
+        saved_meta=[_meta(n.meta["val"]) for n in part.saved],  # (None: a label the call site passes)
         saved_names=tuple(n.name for n in part.saved), saved_inputs=part.inputs,
         tangent_mask=tangent_mask, grad_mask=grad_mask,
         grad_meta=[TensorMeta.of(g) if g is not None else None for g in grads],

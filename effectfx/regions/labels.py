@@ -46,7 +46,6 @@ class BodyLabels:
         self.reads: Reads | None = None
         self.by_path: dict[Path, Label] = {}
         self.nodes: dict[int, tuple[Label, fx.Node]] = {}
-        self.phase = lambda: "forward"
         self.done = False
 
     def make(self, path: Path, value: str, parent: Any = None) -> Label:
@@ -61,7 +60,9 @@ class BodyLabels:
         if not isinstance(value, Label):
             return value
         st = Label.state(value)
-        if st["used"] or st["owner"] is not self.reads or self.done or self.phase() != "forward":
+        # (in the backward phase too: an effect a checkpoint's recompute performs again reads the
+        # forward's placeholder, which the call site passes to the backward call as well)
+        if st["used"] or st["owner"] is not self.reads or self.done:
             Label.mark_used(value)
             return raw(value)
         found = self.nodes.get(id(value))
@@ -73,6 +74,7 @@ class BodyLabels:
         """Before the body's graph is split or run: labels the body also used otherwise (or that appear
         inside other strings it baked in, or that it returns) become constants again.  Returns them."""
         self.done = True
+        self._replayed(graph)
         clean = [lab for lab in self.by_path.values() if not Label.state(lab)["used"]]
         if clean:
             baked = [c for c in consts if isinstance(c, str)]
@@ -94,6 +96,39 @@ class BodyLabels:
                 graph.erase_node(node)
                 dropped.append(label)
         return dropped
+
+
+    def _replayed(self, graph: fx.Graph) -> None:
+        """A checkpoint's recompute replays the forward in the backward, where no torch-function mode
+        runs (the engine calls it): a label it passes to an effect reaches the op as its plain value.  An
+        argument of a backward effect node whose value is that of the label the forward passed to the same
+        op at the same position is that label; were that value also a constant there, it is ambiguous and
+        stays baked (the label then specializes)."""
+        if not self.nodes:
+            return
+        labelled: dict[tuple, set[Any]] = {}  # (op, position) -> label placeholders the forward passed
+        constant: set[tuple] = set()  # (op, position, value) the forward passed as a constant
+        replays = []
+        for node in graph.nodes:
+            if node.op != "call_function" or effect_of(node.target) is None:
+                continue
+            if node.meta.get("phase") == "backward":
+                replays.append(node)
+                continue
+            for i, a in enumerate(node.args):
+                if isinstance(a, fx.Node) and a.op == "placeholder" and isinstance(a.meta.get("val"), str):
+                    labelled.setdefault((node.target, i), set()).add(a)
+                elif isinstance(a, str):
+                    constant.add((node.target, i, a))
+        for node in replays:
+            args = list(node.args)
+            for i, a in enumerate(args):
+                if not isinstance(a, str) or (node.target, i, a) in constant:
+                    continue
+                same = [ph for ph in labelled.get((node.target, i), ()) if ph.meta["val"] == a]
+                if len(same) == 1:
+                    args[i] = same[0]
+            node.args = tuple(args)
 
 
 def _ignore(_label: Label) -> None:

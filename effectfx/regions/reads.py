@@ -225,7 +225,12 @@ def _watched_class(cls: type) -> type:
             namespace["__getattr__"] = __getattr__
         if "__slots__" in cls.__dict__:
             namespace["__slots__"] = ()
-        sub = _WATCHED_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
+        sub = type(cls.__name__, (cls,), namespace)
+        # a base's __init_subclass__ may have changed the new class (transformers' checkpointing layers wrap
+        # its forward): the recording subclass is the class itself, so it inherits everything as it was
+        for name in set(vars(sub)) - set(namespace) - {"__doc__", "__dict__", "__weakref__"}:
+            delattr(sub, name)
+        _WATCHED_CLASSES[cls] = sub
         return sub
 
 
