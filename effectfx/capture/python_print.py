@@ -3,23 +3,15 @@
 Capture runs the user's code once, on fake tensors; a plain ``print`` would print fake tensors once, at
 capture, and never again.  While a capture runs, :func:`capture_prints` makes ``print`` *on the capturing
 thread* (other threads print normally) record one call of the effect op ``effectfx::print`` (key
-``"ordered"``), which prints at run time:
-
-    effectfx::print(str fmt, Tensor[] tensors, str[] modes, int stream, bool flush) -> ()
-
-``fmt`` is the whole printed text (``sep`` and ``end`` included) with a ``{}`` slot per tensor; at run time
-each slot gets its tensor rendered as eager would have rendered it, by ``mode``:
-
-* ``"r"`` -- ``Tensor.__repr__`` of the run-time tensor (a graph input: its own ``requires_grad``);
-* ``"r:<suffix>"`` -- ``Tensor.__repr__`` of the run-time value plus the autograd suffix eager shows
-  (``grad_fn=<MulBackward0>``, ``requires_grad=True``), known at capture: graphs run without autograd;
-* ``"f:<spec>"`` -- ``format(value, spec)`` of a 0-dim tensor (``f"{loss:.3f}"``).
+``"ordered"``; ``effectfx.capture.print_op``: its text with a slot per tensor, and each slot's *mode*, how
+it renders its run-time tensor as eager would have -- autograd suffix, ``format`` spec, ``torch.func``
+wrappers).  The print options the captured code sets are effects on the same key
+(``effectfx.capture.print_options``), so each print is laid out with those eager would use.
 
 Tensors reach the text through ``repr`` and ``format``, wherever they are -- ``print(x)``, ``print([x, y])``,
 an object's ``__repr__``, an f-string built before ``print`` was called -- because during capture
 ``Tensor.__repr__`` and ``Tensor.__format__`` (on the capturing thread) return a *marker* naming the
-tensor; ``print`` turns the markers of its text into slots.  ``stream`` is 1 for ``sys.stdout`` and 2 for
-``sys.stderr``, looked up at run time (as eager's ``print`` does).
+tensor; ``print`` turns the markers of its text into slots.
 
 The print higher-order op (``torch._higher_order_ops.print(format_str, *args, **kwargs)``) is this same
 effect: in eager it is ``print(format_str.format(*args, **kwargs))``, and ``effectfx.hops.print_hop`` runs
@@ -28,7 +20,7 @@ exactly that under the tracer, so it records one ``effectfx::print`` node like a
 Where the run-time print cannot equal eager's, capture warns (:class:`UnfaithfulPrintWarning`) naming the
 user's line: ``file=`` another stream (printed once, at capture, as before), a tensor whose ``grad_fn``
 eager would show but effectfx cannot know (a region's result, or a region's argument that requires grad),
-a marker of another capture.
+a forward-AD dual tensor (eager adds its ``tangent=``), a marker of another capture.
 """
 
 from __future__ import annotations
@@ -40,7 +32,6 @@ import operator
 import re
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,49 +39,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import ops
-from ..effects import register_effect
-from ..errors import UnfaithfulPrintWarning
-from ..graph.source import user_frame, user_location
+from . import print_options
+from .print_op import ORIGINAL_PRINT as _ORIGINAL_PRINT
+from .print_op import ORIGINAL_REPR as _ORIGINAL_REPR
+from .print_op import batched, peel
+from .print_options import emit, warn_unfaithful
 
-_ORIGINAL_PRINT = builtins.print
-_ORIGINAL_REPR = torch.Tensor.__repr__
 _ORIGINAL_FORMAT = torch.Tensor.__format__
-_STREAMS = {1: lambda: None, 2: lambda: sys.stderr}  # None: print's own default, the current sys.stdout
-
-
-# -- the effect op ---------------------------------------------------------------------------------------
-def _with_suffix(text: str, suffix: str) -> str:
-    """``Tensor.__repr__`` text with one more suffix, laid out as torch's ``_add_suffixes`` does."""
-    body, indent = text[:-1], len("tensor(")
-    last_line = len(body) - body.rfind("\n") + 1
-    if last_line + len(suffix) + 2 > torch._tensor_str.PRINT_OPTS.linewidth:
-        return f"{body},\n{' ' * indent}{suffix})"
-    return f"{body}, {suffix})"
-
-
-def _render(t: torch.Tensor, mode: str) -> str:
-    kind, _, rest = mode.partition(":")
-    if kind == "f":
-        return format(t.detach().item(), rest)
-    if not rest:
-        return _ORIGINAL_REPR(t)
-    return _with_suffix(_ORIGINAL_REPR(t.detach()), rest)
-
-
-@torch.library.custom_op("effectfx::print", mutates_args=(),
-                         schema="(str fmt, Tensor[] tensors, str[] modes, int stream, bool flush) -> ()")
-def print_op(fmt: str, tensors: list[torch.Tensor], modes: list[str], stream: int, flush: bool) -> None:
-    """Print ``fmt`` with each ``{}`` slot filled by its tensor rendered by its mode (module docstring)."""
-    text = fmt.format(*(_render(t, m) for t, m in zip(tensors, modes)))
-    _ORIGINAL_PRINT(text, end="", file=_STREAMS[stream](), flush=flush)
-
-
-@print_op.register_fake
-def _(fmt: str, tensors: list[torch.Tensor], modes: list[str], stream: int, flush: bool) -> None:
-    return None
-
-
-register_effect(print_op, key="ordered")
 
 
 # -- markers ---------------------------------------------------------------------------------------------
@@ -137,6 +92,11 @@ class _Capture:
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
         self.marked: dict[int, tuple[torch.Tensor, str, str]] = {}  # id -> (tensor, "r"|"f", format spec)
+        self.options = print_options.Shadow(self._record)
+
+    def _record(self, op: Any, args: tuple) -> None:
+        if self.tracer.builders and self.tracer.recording:
+            emit(self.tracer, op, args)
 
     def mark(self, t: torch.Tensor, kind: str, spec: str = "") -> str:
         n = next(_IDS)
@@ -164,7 +124,7 @@ class _Capture:
                        "(torch.library.custom_op + efx.register_effect)")
             return _ORIGINAL_PRINT(self._unmarked(text), end="", file=file, flush=flush)
         fmt, tensors, modes = self._template(text)
-        torch.ops.effectfx.print.default(fmt, tensors, modes, stream, bool(flush))
+        emit(tracer, torch.ops.effectfx.print.default, (fmt, tensors, modes, stream, bool(flush)))
 
     def _template(self, text: str) -> tuple[str, list[torch.Tensor], list[str]]:
         pieces = _MARKER.split(text)  # literal, id, literal, id, ..., literal
@@ -179,11 +139,25 @@ class _Capture:
                 fmt.append("<tensor>")
             else:
                 t, kind, spec = found
+                t, wrappers = peel(t)
+                if wrappers is None:
+                    self._warn("print() of a tensor in a torch.func wrapper effectfx does not know: it "
+                               "prints the value inside, without the wrapper eager shows")
+                self._warn_if_dual(t)
                 tensors.append(t)
-                modes.append(f"f:{spec}" if kind == "f" else self._repr_mode(t))
+                modes.append(f"f:{spec}" if kind == "f" else (wrappers or "") + self._repr_mode(t))
                 fmt.append("{}")
             fmt.append(literal.replace("{", "{{").replace("}", "}}"))
         return "".join(fmt), tensors, modes
+
+    def _warn_if_dual(self, t: torch.Tensor) -> None:
+        if torch.autograd.forward_ad._current_level < 0:
+            return
+        with self.tracer.paused():  # a look, not an op of the program
+            dual = torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+        if dual:
+            self._warn("print() of a forward-AD dual tensor (torch.autograd.forward_ad): eager adds its "
+                       "tangent=...; effectfx prints the primal only. Print unpack_dual(x).tangent apart")
 
     def _repr_mode(self, t: torch.Tensor) -> str:
         """How the run-time repr gets eager's autograd suffix (module docstring)."""
@@ -229,9 +203,7 @@ class _Capture:
         return _MARKER.sub(original, text)
 
     def _warn(self, message: str) -> None:
-        frame, _ = user_frame()
-        filename, lineno = (frame[0], frame[1]) if frame is not None else ("<unknown>", 0)
-        warnings.warn_explicit(f"{message} (at {user_location()}).", UnfaithfulPrintWarning, filename, lineno)
+        warn_unfaithful(message)
 
 
 # -- patching, on the capturing thread only --------------------------------------------------------------
@@ -261,8 +233,9 @@ def _repr(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
 
 def _format(self: torch.Tensor, format_spec: str) -> str:
     capture = _current()
-    # eager formats a 0-dim plain tensor as its item (f"{loss:.3f}"); a fake stands for a plain tensor
-    if capture is None or not (isinstance(self, FakeTensor) or type(self) is torch.Tensor):
+    # eager formats a 0-dim plain tensor as its item (f"{loss:.3f}"); a fake stands for a plain tensor; a
+    # batched one cannot give its item, in eager as here
+    if capture is None or not (isinstance(self, FakeTensor) or type(self) is torch.Tensor) or batched(self):
         return _ORIGINAL_FORMAT(self, format_spec)
     if self.dim() == 0:
         return capture.mark(self, "f", format_spec)
@@ -281,6 +254,7 @@ def _install() -> None:
         if _INSTALLED == 0:
             for owner, name, _, patched in _PATCHES:
                 setattr(owner, name, patched)
+            print_options.install(_current)
         _INSTALLED += 1
 
 
@@ -292,6 +266,7 @@ def _uninstall() -> None:
             for owner, name, original, patched in _PATCHES:
                 if getattr(owner, name) is patched:  # someone patched over us: leave theirs in place
                     setattr(owner, name, original)
+            print_options.uninstall()
 
 
 @contextlib.contextmanager
@@ -311,6 +286,9 @@ def capture_prints(tracer: Any) -> Iterator[None]:
 
 class _Silent:
     """A capture that prints nothing: see :func:`silenced`."""
+
+    def __init__(self) -> None:
+        self.options = print_options.Shadow(None)  # the kernel sets them again when the op runs
 
     def print(self, args: tuple, sep: Any, end: Any, file: Any, flush: Any) -> None:
         return None
