@@ -16,6 +16,7 @@ from .. import hops  # noqa: F401  (installs the capture rules of the higher-ord
 from ..capture.arguments import check_containers_unchanged, leaf_names
 from ..capture.collectives import refuse_parallel_wrappers
 from ..capture.dynamo_frames import frames_forgotten
+from ..capture.profiler import capture_ranges
 from ..capture.python_print import capture_prints
 from ..capture.region_call import call_region
 from ..capture.trace import Scope, trace_graph
@@ -47,7 +48,7 @@ def _active(tracer: Tracer) -> Iterator[None]:
     grad = torch.is_grad_enabled()  # (leaving inference_mode enables grad mode)
     try:
         with inference, torch.set_grad_enabled(grad), frames_forgotten(), \
-                capture_prints(tracer), tracer.fake_mode, tracer:
+                capture_prints(tracer), capture_ranges(), tracer.fake_mode, tracer:
             yield
     finally:
         _regions._ACTIVE.tracer = previous

@@ -1,0 +1,116 @@
+"""Profiler ranges in captured code (``effectfx.capture.profiler``): ``record_function`` opens and closes
+eager's ranges on every call, in every form, ``efx.compile`` and save/load; its name is an operand, so
+``record_function(self.name)`` keeps one body for every layer."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import effectfx as efx
+from effectfx.testing.differential import FORMS
+from effectfx.testing.effect_ops import recording
+
+NAMES = {"model_forward", "block0", "block1", "block2", "helper"}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.name = name
+
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with record_function(self.name):
+            torch.ops.efxtest.record_memory(self.name)
+            return torch.relu(self.lin(x))
+
+
+@record_function("helper")
+def helper(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block(f"block{i}") for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.profiler.record_function("model_forward"):
+            for block in self.blocks:
+                x = block(x)
+        return helper(x)
+
+
+def ranges(fn, x: torch.Tensor, steps: int = 2) -> tuple[list[str], list]:
+    """The ranges a profiler sees over ``steps`` training steps, in order, and the effect log."""
+    with recording() as log, profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn(x).sum().backward()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return [e.name for e in events if e.name in NAMES], log
+
+
+def expected() -> list[str]:
+    return ["model_forward", "block0", "block1", "block2", "helper"] * 2
+
+
+@pytest.mark.parametrize("form", ["compile", *FORMS])
+def test_ranges_on_every_call_as_eager(form: str) -> None:
+    model, x = Model(), torch.randn(2, 4, requires_grad=True)
+    eager, eager_log = ranges(model, x)
+    assert eager == expected()
+    if form == "compile":
+        fn = efx.compile(model)
+    else:
+        with recording() as capture_log, profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn = FORMS[form](model, (x,), {})
+        assert capture_log == [] and not [e for e in prof.events() if e.name in NAMES]  # capture runs none
+    got, log = ranges(fn, x)
+    assert got == eager and log == eager_log
+
+
+BODY = """\
+def Block_forward_subgraph0(self, token_memory, token_profiler, x, name, lin_weight, lin_bias):
+    with_effects = effectfx.ops.with_effects(token_profiler, torch.ops.effectfx.range_enter.default, name)
+    getitem = with_effects[0]
+    with_effects_1 = effectfx.ops.with_effects(token_memory, torch.ops.efxtest.record_memory.default, name)
+    getitem_1 = with_effects_1[0]
+    t = torch.ops.aten.t.default(lin_weight)
+    addmm = torch.ops.aten.addmm.default(lin_bias, x, t)
+    relu = torch.ops.aten.relu.default(addmm)
+    with_effects_2 = effectfx.ops.with_effects(getitem, torch.ops.effectfx.range_exit.default)
+    getitem_2 = with_effects_2[0]
+    return (getitem_1, getitem_2, relu)"""
+
+
+def test_a_range_named_by_a_layer_keeps_one_body() -> None:
+    """Golden: the range is a chain of its own ("profiler"), its name the body's label operand."""
+    model, x = Model(), torch.randn(2, 4)
+    with torch.no_grad():
+        prog = efx.capture(model, x)
+    assert len(prog.bodies) == 1
+    text = prog.code()
+    assert BODY in text
+    for i in range(3):
+        assert f"'block{i}', blocks_{i}_lin_weight" in text  # each call site passes its own name
+
+
+def test_saved_and_loaded_ranges(tmp_path: pathlib.Path) -> None:
+    model, x = Model(), torch.randn(2, 4)
+    with torch.no_grad():
+        prog = efx.remove_effect_tokens(efx.capture(model, x))
+    prog.save(tmp_path / "p.zip")
+    loaded = efx.load(tmp_path / "p.zip")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loaded(x)
+        with torch.no_grad():
+            model(x)
+    names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name in NAMES]
+    assert names == ["model_forward", "block0", "block1", "block2", "helper"] * 2
