@@ -114,3 +114,18 @@ def test_saved_and_loaded_ranges(tmp_path: pathlib.Path) -> None:
             model(x)
     names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name in NAMES]
     assert names == ["model_forward", "block0", "block1", "block2", "helper"] * 2
+
+
+def test_profile_regions_opens_a_range_per_region_call() -> None:
+    model, x = Model(), torch.randn(2, 4, requires_grad=True)
+    compiled = efx.compile(model, profile_regions=True)
+    compiled(x)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+             if e.name in NAMES or e.name.startswith("region:")]
+    assert names == ["model_forward", *[n for i in range(3) for n in ("region:Block.forward", f"block{i}")],
+                     "helper"]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # an option: eager and efx.compile have none
+        efx.compile(model)(x)
+    assert not [e for e in prof.events() if e.name.startswith("region:")]

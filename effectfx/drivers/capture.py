@@ -16,7 +16,7 @@ from .. import hops  # noqa: F401  (installs the capture rules of the higher-ord
 from ..capture.arguments import check_containers_unchanged, leaf_names
 from ..capture.collectives import refuse_parallel_wrappers
 from ..capture.dynamo_frames import frames_forgotten
-from ..capture.profiler import capture_ranges
+from ..capture.profiler import capture_ranges, profiled
 from ..capture.python_print import capture_prints
 from ..capture.region_call import call_region
 from ..capture.trace import Scope, trace_graph
@@ -72,11 +72,13 @@ def _regions_of(gm: fx.GraphModule, tracer: Tracer) -> dict[str, RegionEntry]:
 
 
 def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
-                  grad_outputs: tuple[bool, ...] | None = None) -> Program | TrainingProgram:
+                  grad_outputs: tuple[bool, ...] | None = None,
+                  profile_regions: bool = False) -> Program | TrainingProgram:
     """Trace ``fn(*args, **kwargs)`` into the captured form (1); joint + partitioned under autograd, the
-    backward for the differentiable outputs ``grad_outputs`` selects (all by default)."""
+    backward for the differentiable outputs ``grad_outputs`` selects (all by default).  With
+    ``profile_regions``, every region call opens a profiler range of its own (``capture.profiler``)."""
     start = time.perf_counter()
-    tracer = Tracer(call_region)
+    tracer = Tracer(profiled(call_region) if profile_regions else call_region)
     leaves, spec = tree_flatten((args, kwargs))
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     names = leaf_names(target, args, kwargs)
@@ -150,7 +152,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     def retrace(live: tuple[bool, ...]) -> TrainingProgram:
         with ambient_state:
             args, kwargs = tree_unflatten(stand_ins(signature, others, grads), spec)
-            prog = trace_program(fn, args, kwargs, grad_outputs=live)
+            prog = trace_program(fn, args, kwargs, grad_outputs=live, profile_regions=profile_regions)
         assert isinstance(prog, TrainingProgram)
         return prog  # the caller checks it ran the same forward (TrainingProgram.partial_backward)
 

@@ -147,11 +147,12 @@ class CompileStats:
 class CompiledCallable:
     """What :func:`compile` returns; call it like the original function or module."""
 
-    def __init__(self, fn: Callable[..., Any], backend: str = "eager") -> None:
+    def __init__(self, fn: Callable[..., Any], backend: str = "eager", profile_regions: bool = False) -> None:
         if backend not in BACKEND_PASSES:
             raise BackendError(f"unknown backend {backend!r}; choose one of {sorted(BACKEND_PASSES)}.")
         self.fn = fn
         self.backend = backend
+        self.profile_regions = profile_regions
         self.cache: dict[Any, list[CompiledEntry]] = {}
         self.stats = CompileStats()
         self._lock = threading.Lock()
@@ -244,7 +245,8 @@ class CompiledCallable:
 
     def _compile(self, args: tuple, kwargs: dict) -> CompiledEntry:
         start = time.perf_counter()
-        program = run_passes(trace_program(self.fn, args, kwargs), BACKEND_PASSES[self.backend])
+        traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions)
+        program = run_passes(traced, BACKEND_PASSES[self.backend])
         forward = program.forward if isinstance(program, TrainingProgram) else program
         seconds = time.perf_counter() - start
         self.stats.compiles += 1
@@ -279,6 +281,8 @@ class CompiledCallable:
                f"{self.stats.compiles} compiled signature(s), backend {self.backend!r}>"
 
 
-def compile(fn: Callable[..., Any], *, backend: str = "eager") -> CompiledCallable:  # noqa: A001
-    """Compile ``fn`` (a function or ``nn.Module``): autograd, caching per signature, effects in order."""
-    return CompiledCallable(fn, backend=backend)
+def compile(fn: Callable[..., Any], *, backend: str = "eager",  # noqa: A001
+            profile_regions: bool = False) -> CompiledCallable:
+    """Compile ``fn`` (a function or ``nn.Module``): autograd, caching per signature, effects in order.
+    ``profile_regions=True`` opens a profiler range ``region:<name>`` around every region call."""
+    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions)
