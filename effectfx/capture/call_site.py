@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import ops
 from ..graph.meta import TensorMeta
 from ..regions.identity import leaf_of_key
-from ..regions.reads import raw
+from ..regions.label import raw
 from .tracer import Tracer
 
 

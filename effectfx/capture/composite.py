@@ -51,7 +51,7 @@ from ..errors import (
     UnsupportedOperatorError,
 )
 from ..graph.source import user_location
-from ..regions.reads import Label, raw
+from ..regions.label import Label, raw
 from .arguments import map_structure
 from .python_print import silenced
 

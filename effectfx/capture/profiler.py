@@ -27,7 +27,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 
 from ..effects import register_effect
-from ..regions.reads import raw
+from ..regions.label import raw
 
 KEY = "profiler"
 _RUNNING = threading.local()  # .ranges: the handles of the ranges open on this thread, innermost last

@@ -20,8 +20,9 @@ from ..graph.source import definition
 from ..regions.cache import PartialBackward, RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
+from ..regions.label import raw
 from ..regions.promotion import history_guards, refusal_after_trace
-from ..regions.reads import Reads, raw, recording, report_read
+from ..regions.reads import Reads, recording, report_read
 from .arguments import check_containers_unchanged, leaf_names
 from .call_site import CallSite
 from .trace import Scope, trace_graph

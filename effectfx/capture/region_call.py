@@ -19,8 +19,8 @@ from ..graph.source import definition, user_location
 from ..regions.cache import RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
+from ..regions.label import raw
 from ..regions.promotion import promoted_key, refusal_before_trace
-from ..regions.reads import raw
 from .arguments import flatten_call
 from .call_site import CallSite, emit_invoke, operand_node
 from .python_print import region_result_grad_fn

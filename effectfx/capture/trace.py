@@ -26,8 +26,8 @@ from ..errors import (
 from ..graph.meta import OperandSource, TensorMeta, TracedGraph
 from ..graph.source import in_library, return_lines, trim_traceback, user_location
 from ..graph.walk import eliminate_dead_code
+from ..regions.label import raw
 from ..regions.labels import BodyLabels
-from ..regions.reads import raw
 from .graph_builder import GraphBuilder
 from .tracer import Tracer
 from .unsupported import unsupported_operator

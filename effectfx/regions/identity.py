@@ -20,16 +20,15 @@ import torch
 
 from ..graph.meta import TensorMeta
 from .hooks import GLOBAL, HOOKS, global_hook_key, global_tables, has_hooks, hook_key, hooks_of, tables
+from .label import Label, raw
 from .reads import (
     MISSING,
-    Label,
     Ref,
     active_reads,
     class_of,
     expectation,
     freeze,
     plain_value,
-    raw,
     report_read,
     satisfies,
 )

@@ -2,7 +2,7 @@
 ``record_memory("forward", self.name)`` -- becomes an input of the body, so one body serves every layer
 and each call site passes its own value.
 
-The body's reads hand it :class:`~effectfx.regions.reads.Label` s.  Effect ops see them first, at the
+The body's reads hand it :class:`~effectfx.regions.label.Label` s.  Effect ops see them first, at the
 ``__torch_function__`` level, where Python objects keep their identity: :class:`LabelMode` swaps a label
 for a unique sentinel string, and the tracer maps the sentinel back to the label's placeholder when it
 records the op.  Any other use -- a comparison, a hash, formatting, a non-effect op, a backward formula --
@@ -24,7 +24,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..effects import effect_of
-from .reads import Label, Path, Reads, raw
+from .label import Label, raw
+from .reads import Path, Reads
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _SENTINEL = "\x00efx-label-"

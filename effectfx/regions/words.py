@@ -13,7 +13,8 @@ import torch
 from ..graph.meta import TensorMeta
 from .hooks import GLOBAL, HOOKS
 from .identity import AUTOCAST_DEVICES
-from .reads import MISSING, plain_value, raw
+from .label import raw
+from .reads import MISSING, plain_value
 
 
 def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, str] | None = None) -> str:
