@@ -16,6 +16,7 @@ from .effects import effect_of, register_effect
 from .errors import (
     BackendError,
     CaptureError,
+    CaptureSideEffectWarning,
     DataDependentControlFlowError,
     EffectfxError,
     EffectfxWarning,
@@ -64,7 +65,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 __all__ = [
-    "BackendError", "CaptureError", "CompiledCallable", "DataDependentControlFlowError", "EffectfxError",
+    "BackendError", "CaptureError", "CaptureSideEffectWarning", "CompiledCallable",
+    "DataDependentControlFlowError", "EffectfxError",
     "FreeTensorError", "MissingFakeImplError", "PartialBackwardError", "Program", "RegionEffectsChangedError",
     "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "EffectfxWarning",

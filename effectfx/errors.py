@@ -73,3 +73,8 @@ class EffectfxWarning(UserWarning):
 
 class UnfaithfulPrintWarning(EffectfxWarning):
     """A Python ``print`` in captured code that cannot print at run time exactly what eager would print."""
+
+
+class CaptureSideEffectWarning(EffectfxWarning):
+    """Python code capture had to run on fake tensors (the kernel of a CompositeImplicitAutograd effect op)
+    may have side effects of its own: they happened once at capture, and happen again on every call."""

@@ -33,7 +33,9 @@ At run time the node calls the op, which runs its kernel with run-time values, e
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,14 +47,16 @@ from torch.utils._pytree import tree_flatten
 from ..effects import effect_of
 from ..errors import (
     CaptureError,
+    CaptureSideEffectWarning,
     DataDependentControlFlowError,
     EffectfxError,
     UnsupportedMutationError,
     UnsupportedOperatorError,
 )
-from ..graph.source import user_location
+from ..graph.source import user_frame, user_location
 from ..regions.label import Label, raw
 from .arguments import map_structure
+from .kernel_effects import frame_effect, kernel_frames
 from .python_print import silenced
 
 _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
@@ -140,10 +144,16 @@ class CompositeEffects(TorchFunctionMode):
         self.tracer = tracer
         self.kernels: list[tuple[torch._ops.OpOverload, bool, str]] = []
         self.pending: tuple[Any] | None = None
+        self.calls = 0  # torch-level calls seen so far: the tracer tells C++'s own detach from the user's
+        # Python side effects of kernels (kernel_effects): what each kernel code does, per op the first found
+        self._examined: dict[types.CodeType, str | None] = {}
+        self._side_effects: dict[torch._ops.OpOverload, tuple[str, types.CodeType]] = {}
+        self._warned: set[torch._ops.OpOverload] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         tracer = self.tracer
+        self.calls += 1
         if self.kernels or not (tracer.recording and tracer.builders):
             return func(*args, **kwargs)
         op = _overload(func, args, kwargs)
@@ -187,6 +197,7 @@ class CompositeEffects(TorchFunctionMode):
             except Exception as exc:
                 raise CaptureError(_cannot_run(op, where, f"{type(exc).__name__}: {exc}")) from None
         _refuse_aliases(op, where, leaves, out)
+        self._warn_side_effects(op, where)
         # record the op as one node whose outputs are the kernel's: the call is replayed below autograd,
         # where no CIA kernel is registered, so the tracer's dispatch sees the op itself
         self.pending = (out,)
@@ -216,6 +227,8 @@ class CompositeEffects(TorchFunctionMode):
     def skips(self, func: Any, key: str | None) -> bool:
         """Whether the tracer runs ``func`` (called by a kernel running on fakes) without recording it."""
         op, record, where = self.kernels[-1]
+        if op not in self._side_effects:
+            self._examine(op)
         if not record:
             return True
         if key is not None:
@@ -227,6 +240,33 @@ class CompositeEffects(TorchFunctionMode):
             raise self._no_backward(op, where, f"draws random numbers ({func})",
                                     "a second draw would differ from the one the op made")
         return False
+
+    def _examine(self, op: torch._ops.OpOverload) -> None:
+        """Look at the Python of ``op``'s kernel the op being dispatched was called from (kernel_effects)."""
+        for frame in kernel_frames(sys._getframe(1)):
+            code = frame.f_code
+            if code not in self._examined:
+                self._examined[code] = frame_effect(frame)
+            if self._examined[code] is not None:
+                self._side_effects[op] = (self._examined[code], code)
+                return
+
+    def _warn_side_effects(self, op: torch._ops.OpOverload, where: str) -> None:
+        found = self._side_effects.get(op)
+        if found is None or op in self._warned:
+            return
+        self._warned.add(op)
+        why, code = found
+        frame, _ = user_frame()
+        filename, lineno = (frame[0], frame[1]) if frame is not None else ("<unknown>", 0)
+        warnings.warn_explicit(
+            f"the CompositeImplicitAutograd kernel of the effect {op} (called at {where}) is Python that "
+            f"may have side effects of its own: {code.co_name} ({code.co_filename}:{code.co_firstlineno}) "
+            f"{why}. effectfx ran it once at capture, on fake tensors, to learn the op's results, and the "
+            "program runs it again on every call with real values, as eager does: its ops and prints happen "
+            "at run time only, but anything else it does happened once more, at capture. Make such a side "
+            "effect an op of its own (torch.library.custom_op, then efx.register_effect) to keep it exact.",
+            CaptureSideEffectWarning, filename, lineno)
 
     def _no_backward(self, op: torch._ops.OpOverload, where: str, what: str, why: str) -> EffectfxError:
         return UnsupportedOperatorError(

@@ -34,8 +34,9 @@ from ..regions.reads import Watcher
 from .arguments import map_structure
 from .collectives import COLLECTIVE_NAMESPACES, record_collective
 from .composite import CompositeEffects
+from .constants import UNKNOWN, Constants
 from .graph_builder import GraphBuilder
-from .mutation import Mutation, mutation_of
+from .mutation import AUTO_FUNCTIONALIZED, Mutation, by_name, mutation_of, returns_written
 
 aten = torch.ops.aten
 
@@ -53,6 +54,12 @@ _PASSTHROUGH = {
 }
 
 _DEVICE = torch.ops.prim.device.default
+# C++'s factory functions (``torch.zeros``, ``zeros_like``, ``ones``...) hand their result to Python as a
+# ``detach()`` of it when anything else holds the tensor -- the tracer does.  That detach follows the factory
+# within one torch-level call, so nobody but the tracer ever sees the tensor it aliases: its result is a
+# fresh tensor, not a view (an in-place op without a functional form may write it).
+_DETACH = aten.detach.default
+_LIFT_FRESH = aten.lift_fresh.default
 
 _DATA_DEPENDENT = {
     aten._local_scalar_dense.default,
@@ -100,6 +107,7 @@ class Tracer(TorchDispatchMode):
         self.recording = True
         self.base_of: dict[int, torch.Tensor] = {}  # id(view) -> the intermediate it aliases
         self.views_of: dict[int, list[torch.Tensor]] = {}  # id(base) -> views of it made so far
+        self.literals: set[int] = set()  # id(fake) of each torch.tensor(...) result (a lifted constant)
         # id(caller's tensor) -> (its grad_fn after a region's write-back, the body op's grad_fn name)
         self.written_by_region: dict[int, tuple[Any, str]] = {}
         self.regions = RegionCache()
@@ -107,6 +115,9 @@ class Tracer(TorchDispatchMode):
         self.watcher = Watcher()
         self.label_mode = LabelMode()
         self.composite = CompositeEffects(self)  # effect ops with a CompositeImplicitAutograd kernel
+        # the last op's fresh result and the torch-level call that made it (see _DETACH)
+        self._fresh: tuple[torch.Tensor, int] | None = None
+        self.constants = Constants(self)  # real twins of the tensors made from Python constants only
         self._fake_makers: dict[torch.device, Callable[[torch.Tensor, bool], torch.Tensor]] = {}
         self._numbers: dict[str, int] = {}
 
@@ -190,6 +201,9 @@ class Tracer(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         if func in _DATA_DEPENDENT:
+            value = self.constants.value(func, args, kwargs)
+            if value is not UNKNOWN:  # a tensor made from Python constants only: eager's Python sees this
+                return value
             raise DataDependentControlFlowError(
                 f"{self.where()} uses the value of a tensor in Python ({func}) at {user_location()}.\n"
                 "effectfx traces with fake tensors, so values are unknown during capture. Use tensor ops "
@@ -212,21 +226,37 @@ class Tracer(TorchDispatchMode):
         mutated = list(mutation.written) if mutation is not None else []
         out = composite.take() if composite.pending is not None else self._run_fake(func, args, kwargs, key)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if key is None and not out_tensors:
+        if key is None and not out_tensors and mutation is None:
             return out  # metadata queries (prim.device, sym_size, ...): constants in a static trace
+        written = [t for _, t in mutated]
+        twins = self.constants.prepare(func, args, kwargs, out, written) if key is None else None
+        if target is AUTO_FUNCTIONALIZED:
+            node_args, node_kwargs = (func,), by_name(func, node_args, node_kwargs)
         node = builder.call(target, node_args, node_kwargs)
         if key is not None:
             node.meta["effect_key"] = key
             node.meta["location"] = user_location()
-        if mutation is not None and mutation.appended and target is not func:
-            self._bind_appended(out, node, mutation)
+        if mutation is not None:
+            self._bind_written(out, node, mutation)
         else:
-            self._bind_outputs(out, node, mutated)
+            self._bind_outputs(out, node)
+        fresh, self._fresh = self._fresh, None
         if mutated:
-            for tensor_written in (t for _, t in mutated):
+            for tensor_written in written:
                 self._write_back(tensor_written, builder.values[id(tensor_written)])
+        elif func is _LIFT_FRESH:
+            # torch.tensor(data): data torch made for this call alone, lifted as a program constant. The
+            # result stands for it: written functionally, never written back (the next call must see the
+            # literal again); an in-place op with no functional form on it is refused (_functionalize)
+            self.literals.add(id(out))
         elif getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
-            self._record_views(args[0], out_tensors)
+            if not (func is _DETACH and fresh is not None and fresh[0] is args[0]
+                    and fresh[1] == composite.calls):
+                self._record_views(args[0], out_tensors)
+        elif isinstance(out, torch.Tensor) and id(out) not in self.base_of:
+            self._fresh = (out, composite.calls)
+        if twins is not None:
+            self.constants.commit(twins, written)
         return out
 
     # -- aliasing: views of intermediates, and writes through them ----------------------------------
@@ -273,11 +303,19 @@ class Tracer(TorchDispatchMode):
                 ph = next(n for n in (node, root_node) if n is not None and n.op == "placeholder")
                 problem = (f"an in-place op ({func}) with no functional form on "
                            f"{self.builder.describe_input(ph)} (its argument {name!r})")
-            elif (aliased and mutation.target is None) or (tensor._is_view() and root is tensor):
-                # no functional form to write back with, or a view whose base we never saw
-                problem = f"an in-place op ({func}) on a tensor that has views"
-            elif mutation.target is None and (len(mutation.written) != 1
-                                              or name != func._schema.arguments[0].name):
+            elif mutation.target is None and id(root) in self.literals:
+                problem = (f"an in-place op ({func}) with no functional form on a torch.tensor(...) literal "
+                           f"(its argument {name!r}), which would change the literal for the next call")
+            elif aliased and mutation.target is None:  # no functional form to write the aliases with
+                problem = (f"an in-place op ({func}) with no functional form on a tensor that "
+                           f"{'is a view of another' if root is not tensor else 'has views'} (its argument "
+                           f"{name!r})")
+            elif tensor._is_view() and root is tensor:
+                problem = f"an in-place op ({func}) on a view whose base effectfx never saw"
+            elif mutation.overlap is not None:
+                problem = (f"an op ({func}) that writes into its argument {mutation.overlap[0]!r} while its "
+                           f"argument {mutation.overlap[1]!r} shares that memory")
+            elif mutation.target is None and (len(mutation.written) != 1 or not returns_written(func, name)):
                 problem = f"an op ({func}) that writes into its argument {name!r}"
             if problem:
                 raise UnsupportedMutationError(
@@ -290,16 +328,33 @@ class Tracer(TorchDispatchMode):
         # nothing else aliases, so running it in graph order is indistinguishable from a functional op
         return mutation.target or func
 
-    def _bind_appended(self, out: Any, node: fx.Node, mutation: Mutation) -> None:
-        """A ``*_functional`` node returns the op's results, then each written tensor's new value."""
+    def _bind_written(self, out: Any, node: fx.Node, mutation: Mutation) -> None:
+        """Rebind each tensor a mutation wrote to its new value, where ``mutation.paths`` puts it in the
+        node's result (``getitem`` nodes, one per element), and the op's own results to theirs."""
         builder = self.builder
-        results = list(out) if isinstance(out, (tuple, list)) else [out]
-        values = [*results, *(t for _, t in mutation.written)]
-        for i, item in enumerate(values):
-            if isinstance(item, torch.Tensor):
-                item_node = builder.call(operator.getitem, (node, i))
-                builder.bind(item, item_node)
-        node.meta["val"] = tuple(values)
+        values: dict[int, Any] = {}
+        if mutation.appended:  # ``*_functional``, ``auto_functionalized``: the op's results come first
+            results = list(out) if isinstance(out, (tuple, list)) else [out]
+            for i, item in enumerate(results):
+                values[i] = item
+                if isinstance(item, torch.Tensor):
+                    builder.bind(item, builder.call(operator.getitem, (node, i)))
+        elif isinstance(out, torch.Tensor) and out is not mutation.written[0][1]:
+            builder.bind(out, node)
+        items: dict[tuple[int, ...], fx.Node] = {(): node}
+        for (_, tensor), path in zip(mutation.written, mutation.paths):
+            for depth in range(1, len(path) + 1):
+                if path[:depth] not in items:
+                    parent = items[path[:depth - 1]]
+                    items[path[:depth]] = builder.call(operator.getitem, (parent, path[depth - 1]))
+            builder.bind(tensor, items[path])
+            if len(path) == 1:
+                values[path[0]] = tensor
+            elif len(path) == 2:  # an element of a written list
+                values.setdefault(path[0], []).append(tensor)
+                items[path[:1]].meta["val"] = values[path[0]]
+        if values:
+            node.meta["val"] = tuple(values.get(i) for i in range(max(values) + 1))
 
     def _run_fake(self, func: Any, args: tuple, kwargs: dict, key: str | None) -> Any:
         try:
@@ -332,13 +387,8 @@ class Tracer(TorchDispatchMode):
                 f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
             ) from exc
 
-    def _bind_outputs(self, out: Any, node: fx.Node, mutated: list[tuple[str, Any]]) -> None:
+    def _bind_outputs(self, out: Any, node: fx.Node) -> None:
         builder = self.builder
-        if mutated:
-            builder.bind(mutated[0][1], node)
-            if isinstance(out, torch.Tensor) and out is not mutated[0][1]:
-                builder.bind(out, node)
-            return
         if isinstance(out, torch.Tensor):
             builder.bind(out, node)
             return

@@ -921,10 +921,7 @@ class TestInvokeSubgraphCompile:
         check_against_eager(fn, randn(8, 16, requires_grad=True))
         check_against_eager(fn, randn(5, 16, requires_grad=True), forms=())
 
-    @pytest.mark.xfail(strict=True, reason="issue 10: [new] int() of a tensor computed only from Python "
-                       "constants (torch.div(1024, 256)) is refused as data-dependent: capture makes it a "
-                       "fake tensor although its value is known")
-    def test_div(self):
+    def test_div(self):  # a tensor computed only from constants has a value at capture (capture.constants)
         @nested_compile_region
         def gn(x):
             div = torch.div(1024, 256, rounding_mode="trunc")
