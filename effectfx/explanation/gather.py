@@ -311,11 +311,16 @@ def _notes(programs: Sequence[ProgramReport], compiled: CompiledCallable | None)
 def explain(fn_or_compiled: Any, *args: Any, **kwargs: Any) -> Explanation:
     """Explain what effectfx makes of ``fn(*args, **kwargs)`` (see the module docstring)."""
     target = fn_or_compiled
+    module = getattr(target, "_orig_mod", None)
+    if isinstance(module, torch.nn.Module) and isinstance(getattr(target, "compiled", None),
+                                                          CompiledCallable):
+        target = target.compiled  # a compiled module (efx.compile(model)): its callable
     if isinstance(target, CompiledCallable):
         if args or kwargs:
             target.entry_for(args, kwargs)  # compile these arguments' signature; runs nothing
         programs = _compiled_reports(target)
-        name = getattr(target.fn, "__name__", type(target.fn).__name__)
+        fn = module if isinstance(module, torch.nn.Module) else target.fn
+        name = getattr(fn, "__name__", type(fn).__name__)
         return Explanation(f"efx.compile({name})", tuple(programs), True, target.stats.compiles,
                            target.stats.calls, tuple(_notes(programs, target)))
     if isinstance(target, (Program, TrainingProgram)):
