@@ -229,11 +229,18 @@ def scenario_ddp(rank: int, world: int) -> dict[str, Any]:
     eager = _train(eager_ddp, list(eager_ddp.parameters()), xs)
     got = _train(wrapped, list(wrapped.parameters()), xs)
     after_refusal = _train(ddp, list(ddp.parameters()), xs)  # the refused DDP still trains as eager
+    # the order PyTorch's docs recommend for torch.compile: DDP around the compiled module
+    around = DDP(efx.compile(Inner()))
+    compiled = _train(around, list(around.parameters()), xs)
     exact = all(torch.equal(a, b) for a, b in zip(_flat(eager["grads"] + eager["params"]),
                                                  _flat(got["grads"] + got["params"]), strict=True))
+    exact_around = all(torch.equal(a, b) for a, b in zip(_flat(eager["grads"] + eager["params"]),
+                                                        _flat(compiled["grads"] + compiled["params"]),
+                                                        strict=True))
     same = all(torch.equal(a, b) for a, b in zip(_flat(eager["params"]), after_refusal["params"], strict=True))
     return {"refused": refused, "exact": exact, "logs_equal": eager["logs"] == got["logs"],
-            "after_refusal": same, "params": eager["params"]}
+            "after_refusal": same, "params": eager["params"], "exact_around": exact_around,
+            "logs_around": compiled["logs"] == eager["logs"] and compiled["collectives"] == eager["collectives"]}
 
 
 # -- FSDP2: refused at capture, before its hooks run -----------------------------------------------------------
@@ -404,6 +411,7 @@ def test_ddp_is_refused_and_a_compiled_function_inside_ddp_is_exact(ranks) -> No
             assert "DistributedDataParallel" in refused[1] and "test_distributed.py:" in refused[1]
             assert "inner module" in refused[1]
         assert r["exact"] and r["logs_equal"] and r["after_refusal"]
+        assert r["exact_around"] and r["logs_around"]  # DDP(efx.compile(model)): bitwise eager DDP
     # DDP averaged the gradients: both ranks hold the same parameters
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
 
