@@ -262,6 +262,41 @@ def scenario_fsdp(rank: int, world: int) -> dict[str, Any]:
     return {"refused": refused, "grads": all(p.grad is not None for p in model.parameters())}
 
 
+# -- FSDP2 around blocks whose inner module is compiled: exact ---------------------------------------------
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        torch.manual_seed(1)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+def scenario_fsdp_inner(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(rank)
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    runs = []
+    for compiled in (False, True):
+        model = nn.Sequential(Block(), Block())
+        if compiled:
+            for block in model:
+                block.inner = efx.compile(block.inner)  # a child module: FSDP2 shards it with its block
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        out = _train(model, list(model.parameters()), xs)
+        out["params"] = [p.full_tensor() for p in model.parameters()]
+        runs.append(out)
+    eager, got = runs
+    return {"logs": eager["logs"] == got["logs"],
+            "exact": all(torch.equal(a, b) for a, b in zip(_flat(eager["outputs"] + eager["params"]),
+                                                           _flat(got["outputs"] + got["params"]), strict=True))}
+
+
 # -- two process groups: two keys, and a body per group ----------------------------------------------------
 class GroupBlock(nn.Module):
     def __init__(self, group: Any) -> None:
@@ -321,7 +356,7 @@ def run(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     return found
 
 
-SCENARIOS = ["tensor_parallel", "golden", "forms", "ddp", "fsdp", "groups", "refusals"]
+SCENARIOS = ["tensor_parallel", "golden", "forms", "ddp", "fsdp", "fsdp_inner", "groups", "refusals"]
 
 
 @pytest.fixture(scope="module")
@@ -421,6 +456,11 @@ def test_fsdp2_is_refused_by_name(ranks) -> None:
         assert r["refused"] is not None and r["refused"][0] == "UnsupportedParallelWrapperError"
         assert "fully_shard" in r["refused"][1] and "test_distributed.py:" in r["refused"][1]
         assert r["grads"]
+
+
+def test_fsdp2_around_compiled_inner_modules_is_exact(ranks) -> None:
+    for r in result(ranks, "fsdp_inner"):
+        assert r["logs"] and r["exact"]  # outputs and (full) parameters bitwise eager FSDP2's, each step
 
 
 def test_two_groups_two_keys(ranks) -> None:
