@@ -35,7 +35,9 @@ site during capture is ``effectfx.capture.region_call``.  Identity has two halve
   * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
     enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,
     stride, dtype, device, requires_grad), the value of every non-string argument, and for modules passed
-    in their structure (submodule classes, parameter/buffer metadata by name) -- not their attributes;
+    in their structure (submodule classes, parameter/buffer metadata by name, and the hooks of every
+    submodule and torch's global ones: a hook by its code and the values it closes over, ``hooks``) --
+    not their attributes;
   * the *guards* -- what the body's trace read, and only that.  During a capture every object reached
     from a body's arguments (modules, submodules, config objects at any depth) is *watched*
     (``effectfx.regions.reads``: its class is swapped for a recording subclass, on the capturing thread,
@@ -48,7 +50,8 @@ A call site reuses the first body with its key whose guards hold on its own argu
 is itself a read, so an enclosing body (or the root) depends on it too -- every call site watches the
 objects it is passed, also where it reuses a body and no trace ran.  The root's reads are guards of
 the compiled program, by identity: ``efx.compile`` checks them before every run and captures anew when one
-fails (flip ``model.config.use_gate`` between two calls: eager's result and effects on both).
+fails (flip ``model.config.use_gate`` between two calls: eager's result and effects on both).  So are the
+hooks of every module the program may run, by identity: a hook registered or removed captures anew.
 
 *Labels.*  A ``str`` a body reads (an attribute, or a string argument) is handed to it as a ``Label``, a
 ``str`` that notices any use of its value.  A label only ever passed to effectful ops becomes an operand:
