@@ -129,3 +129,57 @@ def test_profile_regions_opens_a_range_per_region_call() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # an option: eager and efx.compile have none
         efx.compile(model)(x)
     assert not [e for e in prof.events() if e.name.startswith("region:")]
+
+
+def test_a_range_in_a_checkpointed_layer_opens_again_in_backward() -> None:
+    """Eager's recompute runs the layer again in backward, its range too: forward ranges, then backward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Layer(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.name = name
+
+        def inner(self, x: torch.Tensor) -> torch.Tensor:
+            with record_function(self.name):
+                return torch.relu(self.lin(x))
+
+        @efx.region
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Layer(f"block{i}") for i in range(3)])
+    x = torch.randn(2, 4, requires_grad=True)
+    eager, _ = ranges(model, x, steps=1)
+    assert eager == ["block0", "block1", "block2", "block2", "block1", "block0"]
+    compiled = efx.compile(model)
+    compiled(x).sum().backward()
+    got, _ = ranges(compiled, x, steps=1)
+    assert got == eager
+
+
+def test_gpt2_layers_in_ranges() -> None:
+    from effectfx.testing import hf
+
+    model = hf.build("gpt2")
+    for layer in hf.layers_of(model, "gpt2"):
+        inner = layer.layer
+
+        def forward(*args, _inner=inner, **kwargs):
+            with record_function(f"attn_block{_inner.attn.layer_idx}"):
+                return type(_inner).forward(_inner, *args, **kwargs)
+
+        inner.forward = forward
+    batch = hf.batch("gpt2", torch.Generator().manual_seed(0))
+    names = [f"attn_block{i}" for i in range(hf.LAYERS)]
+
+    def seen(fn) -> list[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(**batch).loss.backward()
+        return [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name in names]
+
+    compiled = efx.compile(model)
+    compiled(**batch)
+    assert seen(compiled) == seen(model) == names
