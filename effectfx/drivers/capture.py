@@ -181,9 +181,9 @@ def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> N
         if src.kind != "arg":
             continue
         written = leaves[src.index]
-        memory = written.untyped_storage().data_ptr()
+        memory = _memory(written)
         other = next((i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
-                      and leaf is not written and leaf.untyped_storage().data_ptr() == memory), None)
+                      and leaf is not written and _memory(leaf) == memory), None)
         if other is not None:
             raise UnsupportedMutationError(
                 f"the captured function updates its argument {names[src.index]!r} in place, and argument "
@@ -191,6 +191,13 @@ def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> N
                 "through it as eager does.\nPass separate tensors (a clone), or pass one tensor and take "
                 "the view inside the function."
             )
+
+
+def _memory(t: torch.Tensor) -> int:
+    """Where a tensor's data lives; a torch.func wrapper (vmap's BatchedTensor) has none of its own."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.untyped_storage().data_ptr()
 
 
 def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tuple[bool, bool]]) -> list[Any]:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..errors import BackendError
+from ..capture.region_call import torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..errors import BackendError, UnsupportedOperatorError
 from ..graph.meta import TensorMeta
 from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
@@ -138,6 +139,32 @@ class CompiledEntry:
         return p.backward if isinstance(p, TrainingProgram) else None
 
 
+_FUNCTORCH = torch._C._functorch
+_READS_GRAD = "it reads tensors that require grad (a closure's, a region's parameters)"
+# why a compiled function cannot run under a torch.func transform (by kind), and what to do instead
+_REFUSED = {
+    "Grad": ("a compiled program is differentiated by torch.autograd (a training program is one "
+             "autograd.Function, which torch.func cannot transform)", "Call it outside torch.func and use "
+             "torch.autograd.grad or .backward(), or compile the code calling {transform} (without regions)"),
+    "Jvp": ("a capture under it would bake its dual tensors into the graph", "Call it outside torch.func, "
+            "or compile the code calling {transform} (without regions)"),
+    "Functionalize": ("a capture under it would bake its functional tensors into the graph", "Call it "
+                      "outside {transform}: the compiled program already is functional"),
+    "Vmap": ("{}: the program would be a training program, one autograd.Function, which vmap cannot batch",
+             "Call it under torch.no_grad() (an inference program runs batched, as eager does), or without "
+             "efx.compile under {transform}"),
+    "batched": ("its parameters are BatchedTensors (torch.func.functional_call under vmap?), which the "
+                "capture would bake in", "Call the module without efx.compile under {transform}"),
+}
+
+
+def _raised_in_autograd_function(e: BaseException) -> bool:  # (no setup_context: torch.func refuses it)
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename == torch.autograd.function.__file__
+
+
 @dataclass
 class CompileStats:
     compiles: int = 0
@@ -165,6 +192,16 @@ class CompiledCallable:
         self._state_readers: list[Callable[[], Any]] | None = None
         self.__wrapped__ = fn
 
+    def _tensor_slots(self) -> dict[int, Slot]:
+        """Where each tensor of the compiled module lives now: parameters, buffers, tensor attributes."""
+        slots: dict[int, Slot] = {}
+        for sub in self._module.modules() if self._module is not None else ():
+            for table in (sub._parameters, sub._buffers, vars(sub)):
+                for name, t in table.items():
+                    if isinstance(t, torch.Tensor) and not name.startswith("_"):
+                        slots.setdefault(id(t), (table, name))
+        return slots
+
     def _check_children(self) -> None:
         """A replaced submodule drops every program: they read the old one's parameters."""
         if self._module is None:
@@ -176,11 +213,7 @@ class CompiledCallable:
         if not self._walked:  # walking the module tree on every call would cost more than eager
             subs = list(self._module.modules())
             self._children = [(sub._modules, n, c) for sub in subs for n, c in sub._modules.items()]
-            for sub in subs:  # parameters, buffers and plain tensor attributes, where they live
-                for table in (sub._parameters, sub._buffers, vars(sub)):
-                    for name, t in table.items():
-                        if isinstance(t, torch.Tensor) and not name.startswith("_"):
-                            self._slots.setdefault(id(t), (table, name))
+            self._slots = self._tensor_slots()
             self._walked = True
 
     def _object_names(self) -> dict[int, str]:
@@ -228,7 +261,9 @@ class CompiledCallable:
                     return entry, lifted
         return None
 
-    def entry_for(self, args: tuple, kwargs: dict) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
+    def entry_for(self, args: tuple, kwargs: dict, vmap: bool = False
+                  ) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
+        """The program for this call, its inputs; under ``vmap`` one needing autograd is refused, not kept."""
         key, leaves = self.signature(args, kwargs)
         found = self._find(key)
         if found is None:
@@ -238,10 +273,21 @@ class CompiledCallable:
                     names = self._object_names()
                     why = [guard_text(path, expect, got, names) for e in self.cache.get(key, ())
                            for path, expect, got in failed_guards(e.guards, ())]
-                    entry = self._compile(args, kwargs)
+                    try:
+                        entry = self._compile(args, kwargs)
+                    except RuntimeError as e:  # torch.func refused an autograd.Function: a region's call
+                        if vmap and _raised_in_autograd_function(e):
+                            raise self._torch_func_refusal("Vmap", _READS_GRAD) from e
+                        raise
+                    if vmap and isinstance(entry.program, TrainingProgram):  # not kept
+                        raise self._torch_func_refusal("Vmap", _READS_GRAD)
+                    self.stats.compiles += 1
+                    self.stats.compile_seconds.append(entry.compile_seconds)
                     entry.why = tuple(why)
                     self.cache.setdefault(key, []).append(entry)
                     return entry, leaves, list(entry.forward.lifted)
+        if vmap and isinstance(found[0].program, TrainingProgram):
+            raise self._torch_func_refusal("Vmap", _READS_GRAD)
         return found[0], leaves, found[1]
 
     def _compile(self, args: tuple, kwargs: dict) -> CompiledEntry:
@@ -250,20 +296,47 @@ class CompiledCallable:
         program = run_passes(traced, BACKEND_PASSES[self.backend])
         forward = program.forward if isinstance(program, TrainingProgram) else program
         seconds = time.perf_counter() - start
-        self.stats.compiles += 1
-        self.stats.compile_seconds.append(seconds)
+        # a module tensor swapped in for this call (torch.func.functional_call) is read from where it
+        # lives, as the module's own are: a later call must not see it once the module has its own back
+        now = self._tensor_slots() if any(id(t) not in self._slots for t in forward.lifted) else {}
         return CompiledEntry(
             program,
             tuple(i for i, _ in forward.signature.tensor_meta),
-            tuple(self._slots.get(id(t)) or _slot(t, src)
+            tuple(self._slots.get(id(t)) or now.get(id(t)) or _slot(t, src)
                   for t, src in zip(forward.lifted, forward.lifted_from or (None,) * len(forward.lifted))),
             tuple(TensorMeta.of(t) for t in forward.lifted),
             seconds,
             forward.guards,
         )
 
+    def _name(self) -> str:
+        return type(self._module).__name__ if self._module is not None else getattr(self.fn, "__name__", "fn")
+
+    def _torch_func_refusal(self, kind: str, detail: str = "", reason: str = "") -> UnsupportedOperatorError:
+        why, todo = _REFUSED[reason or kind]
+        return torch_func_refusal(f"efx.compile'd {self._name()!r}", kind, why.format(detail), todo)
+
+    def _check_torch_func(self, args: tuple, kwargs: dict) -> None:
+        """Under vmap an inference program (captured on plain fakes) runs its aten ops batched, as eager
+        does; another transform would be baked into the graph, and a training program is an
+        autograd.Function, which torch.func cannot transform: refused before anything runs."""
+        others = [k for k in torch_func_kinds() if k != "Vmap"]
+        if others:
+            raise self._torch_func_refusal(others[-1])
+        own = [] if self._module is None else [
+            (repr(n), t) for n, t in (*self._module.named_parameters(), *self._module.named_buffers())]
+        leaves = tree_flatten((args, kwargs))[0]
+        needs_grad = wrapped_or_grad([(f"argument {i}", t) for i, t in enumerate(leaves)] + own)[1]
+        if needs_grad is not None:
+            raise self._torch_func_refusal("Vmap", f"its {needs_grad} requires grad")
+        if wrapped_or_grad(own)[0] is not None:  # functional_call under vmap (model ensembling)
+            raise self._torch_func_refusal("Vmap", reason="batched")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, leaves, lifted = self.entry_for(args, kwargs)
+        vmap = _FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
+        if vmap:
+            self._check_torch_func(args, kwargs)
+        entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
         self.stats.calls += 1
         program = entry.program
         forward = entry.forward
