@@ -207,7 +207,7 @@ def hop_lowering(prog: Any) -> Any:
 
 
 def register_hop_backend() -> None:
-    from effectfx.drivers.compile import BACKEND_PASSES
+    from effectfx.drivers.callable import BACKEND_PASSES
     from effectfx.passes.remove_tokens import remove_effect_tokens_pass
     from effectfx.passes.thread_tokens import thread_tokens
 

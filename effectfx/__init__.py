@@ -10,8 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import ops
+from .drivers.callable import CompiledCallable
 from .drivers.capture import capture
-from .drivers.compile import CompiledCallable, compile
+from .drivers.compile import compile
 from .effects import effect_of, register_effect
 from .errors import (
     BackendError,

@@ -7,8 +7,6 @@ The first call with a new cache key traces a body (``region_body``); every call 
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError, UnsupportedOperatorError
 from ..graph.meta import TensorMeta, TracedGraph, tangents_of
 from ..graph.source import definition, user_location
+from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..regions.cache import RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
@@ -127,7 +126,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     leaves, spec = flatten_call(args, kwargs)
     walks = {i: ModuleWalk(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
     module_tensors = [(name, t) for walk in walks.values() for name, t in walk.tensors.items()]
-    if _FUNCTORCH.peek_interpreter_stack() is not None:
+    if FUNCTORCH.peek_interpreter_stack() is not None:
         _refuse_under_torch_func(region, leaves, module_tensors)
     # a module holding a tensor the capture received (torch.func.functional_call swaps it in): the body
     # would lift it by identity, and every later call site would pass this one's
@@ -190,54 +189,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     return out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
 
 
-# -- torch.func (Note [Region identity]: a body is traced once, on plain tensors) ------------------------
-_FUNCTORCH = torch._C._functorch
-_FUNCTORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch") + os.sep
-# torch.func's functions by the kind of transform they push (TransformType's names)
-_PUBLIC = {"vmap": "Vmap", "grad": "Grad", "grad_and_value": "Grad", "vjp": "Grad", "jacrev": "Grad",
-           "jvp": "Jvp", "jacfwd": "Jvp", "linearize": "Jvp", "functionalize": "Functionalize"}
-_FAMILY = {"Vmap": "vmap", "Grad": "grad (or vjp, jacrev)", "Jvp": "jvp (or jacfwd)",
-           "Functionalize": "functionalize"}
-
-
-def torch_func_kinds() -> list[str]:
-    """The torch.func transforms active on this thread, outermost first: 'Vmap', 'Grad', 'Jvp' or
-    'Functionalize'."""
-    return [interpreter.key().name for interpreter in _FUNCTORCH.get_interpreter_stack() or ()]
-
-
-def torch_func_name(kind: str) -> str:
-    """``torch.func.<name>`` of the innermost call on the stack of a torch.func function of that kind (the
-    one the user wrote: ``jacrev``, not the ``vjp`` it runs), else the kind's family."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.startswith(_FUNCTORCH_DIR):
-            name = getattr(code, "co_qualname", code.co_name).split(".")[0]
-            if _PUBLIC.get(name) == kind:
-                return f"torch.func.{name}"
-        frame = frame.f_back
-    return f"torch.func.{_FAMILY.get(kind, kind.lower())}"
-
-
-def wrapped_or_grad(tensors: list[tuple[str, Any]]) -> tuple[str | None, str | None]:
-    """``(wrapped, needs_grad)``: the names of the first tensor in a torch.func wrapper and of the first
-    that requires grad (at any level of its wrappers, under grad mode), or None."""
-    wrapped = needs_grad = None
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if wrapped is None and _FUNCTORCH.is_functorch_wrapped_tensor(t):
-            wrapped = name
-        while needs_grad is None and torch.is_grad_enabled():
-            if t.requires_grad:
-                needs_grad = name
-            if not _FUNCTORCH.is_functorch_wrapped_tensor(t):
-                break
-            t = _FUNCTORCH.get_unwrapped(t)
-    return wrapped, needs_grad
-
-
+# -- torch.func (Note [Region identity]: a body is traced once, on plain tensors) ---------------------
 def _refuse_under_torch_func(region: Region, leaves: list[Any],
                              module_tensors: list[tuple[str, Any]]) -> None:
     """A region called under a torch.func transform.  Its body is traced once on plain tensors and called
@@ -268,14 +220,6 @@ def _refuse_under_torch_func(region: Region, leaves: list[Any],
         f"Call the region's code without @efx.region under torch.func (its __wrapped__: "
         f"{region.name}.__wrapped__(...)), or apply {{transform}} inside the region"
         + (", or call it under torch.no_grad()" if kind == "Vmap" and needs_grad else ""))
-
-
-def torch_func_refusal(subject: str, kind: str, why: str, todo: str) -> UnsupportedOperatorError:
-    """``<subject> is called under torch.func.<name> at <the user's line>: <why>. <todo>.``; ``todo`` may
-    name the transform as ``{transform}``."""
-    transform = torch_func_name(kind)
-    return UnsupportedOperatorError(f"{subject} is called under {transform} at {user_location()}: {why}.\n"
-                                    + todo.format(transform=transform) + ".")
 
 
 def _requires_grad(value: Any) -> bool:

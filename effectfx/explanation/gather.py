@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_unflatten
 
 from .. import ops
 from ..capture.arguments import leaf_names
+from ..drivers.callable import CompiledCallable, CompiledEntry
 from ..drivers.capture import capture
-from ..drivers.compile import CompiledCallable, CompiledEntry
 from ..effects import effect_of, implicit_effects
 from ..graph.walk import region_call, subgraphs
 from ..program.program import Program, TrainingProgram

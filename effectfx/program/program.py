@@ -20,6 +20,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 from .. import ops
 from ..errors import PartialBackwardError, UnsupportedMutationError
 from ..graph.meta import TensorMeta, same_forward, saved_positions, tangents_of
+from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.walk import subgraphs
 from . import serialize
 from .printing import program_text
@@ -127,6 +128,8 @@ class Program:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.flat_inputs(args, kwargs)
+        if FUNCTORCH.peek_interpreter_stack() is not None:  # torch.func around it: one C call otherwise
+            _refuse_under_torch_func(self.name, inputs, training=False)
         outs = self.run_flat(inputs)
         if self.n_extra_outputs:
             outs = outs[: len(outs) - self.n_extra_outputs]
@@ -257,8 +260,33 @@ class TrainingProgram:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.forward.flat_inputs(args, kwargs)
+        if FUNCTORCH.peek_interpreter_stack() is not None:
+            _refuse_under_torch_func(self.forward.name, inputs, training=True)
         outs = self.run_autograd(inputs)
         return self.forward.unflatten(self.forward.write_back(inputs, list(outs)))
+
+
+def _refuse_under_torch_func(name: str, inputs: list[Any], training: bool) -> None:
+    """A program's graphs run below autograd (a training program attaches them as one autograd.Function
+    without ``setup_context``): only ``vmap`` (or ``jvp``) of an inference program on tensors that need no
+    gradient runs as eager does.  A reverse transform would see no dependence of the outputs on the
+    inputs -- silently zero gradients -- so it is refused, as an input that requires grad is."""
+    kinds = torch_func_kinds()
+    reverse = [k for k in kinds if k in ("Grad", "Functionalize")]
+    needs_grad = wrapped_or_grad([(f"input {i}", t) for i, t in enumerate(inputs)])[1]
+    if training:
+        kind, why = (reverse or kinds)[-1], ("it is a training program, run as an autograd.Function that "
+                                             "torch.func cannot transform")
+    elif reverse:
+        kind, why = reverse[-1], ("its graphs run below autograd, so the transform would see no dependence "
+                                  "of its outputs on its inputs (zero gradients)")
+    elif needs_grad is not None:
+        kind, why = kinds[-1], f"its {needs_grad} requires grad, and its outputs would not"
+    else:
+        return
+    raise torch_func_refusal(f"the captured program {name!r}", kind, why,
+                             "Use torch.autograd on a training program (efx.capture under autograd, or "
+                             "efx.compile), or run {transform} on the eager function")
 
 
 def load(path: Any) -> Program | TrainingProgram:

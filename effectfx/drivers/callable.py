@@ -1,0 +1,353 @@
+"""The compiled callable of efx.compile: it captures once per input signature and runs the cached program.
+
+The signature is what every call shows: the structure of the arguments, every tensor's shape, stride,
+dtype, device and requires_grad, the values of non-tensor arguments, grad mode and autocast, and the plain
+values the compiled function's closure and globals hold.  Each program then has *guards*: every Python
+value its capture read from an object -- ``self.training``, ``self.config.use_gate``, a region's globals --
+checked again on each call (Note [Region identity]); a program whose guards fail is not run, and a new one
+is captured.  Parameters and buffers are read from their module at each call, so an optimizer's in-place
+updates and reassigned parameters are seen; one whose metadata differs from the traced one (shape, dtype,
+requires_grad) makes a new program, and a replaced submodule drops every cached program.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..errors import BackendError, UnsupportedOperatorError
+from ..graph.meta import TensorMeta
+from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..passes.pipeline import run_passes
+from ..passes.remove_tokens import remove_effect_tokens_pass
+from ..passes.simplify import simplify_in_place
+from ..passes.thread_tokens import discover_effects, thread_tokens
+from ..program.program import Program, TrainingProgram
+from ..program.records import alias_pattern
+from ..regions.identity import ambient, failed_guards, leaf_key, object_guards, object_guards_hold
+from ..regions.reads import plain_value
+from ..regions.words import guard_text
+from .capture import trace_program
+
+
+def lower_to_inductor(prog: Program) -> Program:
+    """Token-free -> Inductor segments between effects (imported lazily: Inductor is slow to import)."""
+    from ..backends.inductor import lower_to_inductor as lower
+
+    return lower(prog)
+
+
+# The passes between capture and execution, per backend.  Kept in one table so a backend is one entry.
+# "eager" goes captured -> token-free directly: discover_effects checks region effects as thread_tokens
+# does, without the round trip through tokens that would rebuild every graph into the same one; and the
+# capture is efx.compile's alone, so it is simplified in place.
+BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
+    "eager": [discover_effects, simplify_in_place],
+    "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
+}
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # a plain tuple: cheaper on every call than TensorMeta.of, same fields; a tensor that requires grad
+    # and has a history is its own case (code may read ``x.is_leaf``, and the trace follows it)
+    grad = t.requires_grad and (t.is_leaf or "non-leaf")
+    return (t.shape, t.stride(), t.dtype, t.device, grad)
+
+
+def _same_tensors(leaves: Any) -> tuple:
+    """The same tensor (or views of one) passed twice is one graph input (``InputSignature.aliases``): its
+    own signature.  Cheap when no two leaves share a base, the usual call."""
+    tensors = tuple((i, None) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    bases = {id(leaves[i] if leaves[i]._base is None else leaves[i]._base) for i, _ in tensors}
+    if len(bases) == len(tensors):
+        return ()
+    leaves = list(leaves)
+    return alias_pattern(leaves, tensors), alias_pattern(leaves, tensors, bases=True)
+
+
+def _shallow(value: Any) -> Any:
+    """A hashable snapshot of plain data (numbers, strings, and dicts/lists/tuples of them), else None."""
+    if plain_value(value):
+        return value
+    if isinstance(value, dict):
+        return ("dict", tuple((k, v) for k, v in value.items() if plain_value(k) and plain_value(v)))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(v for v in value if plain_value(v)))
+    return None
+
+
+Slot = tuple[dict, str]  # (a module's _parameters, _buffers or __dict__, name): where a lifted tensor lives
+
+
+def _slot(tensor: torch.Tensor, source: Any) -> Slot | None:
+    """Where a lifted tensor the capture read from an object (a module reached through a closure or a
+    global, a global tensor) lives, to be read again at each call: a replaced one is seen."""
+    if source is None:
+        return None
+    owner, step = source
+    if isinstance(step, tuple):  # ("item", key) of a dict: a global
+        return (owner, step[1]) if isinstance(owner, dict) and owner.get(step[1]) is tensor else None
+    tables = (owner._parameters, owner._buffers) if isinstance(owner, torch.nn.Module) else ()
+    for table in (*tables, getattr(owner, "__dict__", {})):
+        if table.get(step) is tensor:
+            return table, step
+    return None
+
+
+@dataclass
+class CompiledEntry:
+    """One compiled signature: its program, and where to read the tensors it lifted at each call."""
+
+    program: Program | TrainingProgram
+    tensor_positions: tuple[int, ...]
+    slots: tuple[Slot | None, ...]  # per lifted tensor: its module slot, or None (read by identity)
+    lifted_meta: tuple[TensorMeta, ...]
+    compile_seconds: float
+    guards: tuple = ()  # the capture's reads, by identity: checked before each run
+    why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
+
+    def __post_init__(self) -> None:
+        self.checks = object_guards(self.guards)  # the same guards, split for the hot path
+
+    def current_lifted(self) -> list[torch.Tensor] | None:
+        """The lifted tensors as of now, or None if one no longer matches what was traced."""
+        current = []
+        for slot, traced, meta in zip(self.slots, self.forward.lifted, self.lifted_meta):
+            t = traced if slot is None else slot[0].get(slot[1])
+            if t is None or t.requires_grad != meta.requires_grad or (
+                t is not traced and (tuple(t.shape) != meta.shape or t.dtype != meta.dtype)
+            ):
+                return None
+            current.append(t)
+        return current
+
+    @property
+    def forward(self) -> Program:
+        p = self.program
+        return p.forward if isinstance(p, TrainingProgram) else p
+
+    @property
+    def backward(self) -> Program | None:
+        p = self.program
+        return p.backward if isinstance(p, TrainingProgram) else None
+
+
+_READS_GRAD = "it reads tensors that require grad (a closure's, a region's parameters)"
+# why a compiled function cannot run under a torch.func transform (by kind), and what to do instead
+_REFUSED = {
+    "Grad": ("a compiled program is differentiated by torch.autograd (a training program is one "
+             "autograd.Function, which torch.func cannot transform)", "Call it outside torch.func and use "
+             "torch.autograd.grad or .backward(), or compile the code calling {transform} (without regions)"),
+    "Jvp": ("a capture under it would bake its dual tensors into the graph", "Call it outside torch.func, "
+            "or compile the code calling {transform} (without regions)"),
+    "Functionalize": ("a capture under it would bake its functional tensors into the graph", "Call it "
+                      "outside {transform}: the compiled program already is functional"),
+    "Vmap": ("{}: the program would be a training program, one autograd.Function, which vmap cannot batch",
+             "Call it under torch.no_grad() (an inference program runs batched, as eager does), or without "
+             "efx.compile under {transform}"),
+    "batched": ("its parameters are BatchedTensors (torch.func.functional_call under vmap?), which the "
+                "capture would bake in", "Call the module without efx.compile under {transform}"),
+}
+
+
+def _raised_in_autograd_function(e: BaseException) -> bool:  # (no setup_context: torch.func refuses it)
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename == torch.autograd.function.__file__
+
+
+@dataclass
+class CompileStats:
+    compiles: int = 0
+    calls: int = 0
+    compile_seconds: list[float] = field(default_factory=list)
+
+
+class CompiledCallable:
+    """What :func:`compile` returns; call it like the original function or module."""
+
+    def __init__(self, fn: Callable[..., Any], backend: str = "eager", profile_regions: bool = False) -> None:
+        if backend not in BACKEND_PASSES:
+            raise BackendError(f"unknown backend {backend!r}; choose one of {sorted(BACKEND_PASSES)}.")
+        self.fn = fn
+        self.backend = backend
+        self.profile_regions = profile_regions
+        self.cache: dict[Any, list[CompiledEntry]] = {}
+        self.stats = CompileStats()
+        self._lock = threading.Lock()
+        module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        self._module = module if isinstance(module, torch.nn.Module) else None
+        self._walked = False
+        self._slots: dict[int, Slot] = {}
+        self._children: list[tuple[dict, str, torch.nn.Module]] = []  # (parent._modules, name, child)
+        self._state_readers: list[Callable[[], Any]] | None = None
+        self.__wrapped__ = fn
+
+    def _tensor_slots(self) -> dict[int, Slot]:
+        """Where each tensor of the compiled module lives now: parameters, buffers, tensor attributes."""
+        slots: dict[int, Slot] = {}
+        for sub in self._module.modules() if self._module is not None else ():
+            for table in (sub._parameters, sub._buffers, vars(sub)):
+                for name, t in table.items():
+                    if isinstance(t, torch.Tensor) and not name.startswith("_"):
+                        slots.setdefault(id(t), (table, name))
+        return slots
+
+    def _check_children(self) -> None:
+        """A replaced submodule drops every program: they read the old one's parameters."""
+        if self._module is None:
+            return
+        if self._walked and not all(d.get(n) is c for d, n, c in self._children):
+            with self._lock:
+                self.cache.clear()
+                self._walked, self._slots = False, {}
+        if not self._walked:  # walking the module tree on every call would cost more than eager
+            subs = list(self._module.modules())
+            self._children = [(sub._modules, n, c) for sub in subs for n, c in sub._modules.items()]
+            self._slots = self._tensor_slots()
+            self._walked = True
+
+    def _object_names(self) -> dict[int, str]:
+        """Names for the objects guards read from: the compiled module's submodules by path."""
+        if self._module is None:
+            return {}
+        root = type(self._module).__name__
+        return {id(m): f"{root}.{n}" if n else root for n, m in self._module.named_modules()}
+
+    def _python_state(self) -> tuple:
+        """Plain values the compiled function reads from its closure or names as globals (shallowly into
+        dicts and lists): Python state a trace bakes in, like a logging flag.  Deeper reads (callees,
+        object attributes) are not seen; see docs/SUPPORT.md."""
+        if self._state_readers is None:
+            fn = getattr(self.fn, "__func__", self.fn)
+            code = getattr(fn, "__code__", None)
+            readers: list[Callable[[], Any]] = []
+            if code is not None and self._module is None:
+                for cell in getattr(fn, "__closure__", None) or ():
+                    readers.append(lambda cell=cell: _shallow(cell.cell_contents))
+                scope = getattr(fn, "__globals__", {})
+                for name in code.co_names:
+                    if name in scope and _shallow(scope[name]) is not None:
+                        readers.append(lambda name=name: _shallow(scope.get(name)))
+            self._state_readers = readers
+        return tuple([read() for read in self._state_readers])
+
+    def signature(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+        self._check_children()
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
+            return (ambient(), ("tensors", len(args)), *map(_tensor_key, args), self._python_state(),
+                    _same_tensors(args)), list(args)
+        leaves, spec = tree_flatten((args, kwargs))
+        # non-tensor values are keyed as regions key them: by type and value (1, 1.0 and True differ)
+        parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf_key(leaf, labels=False)
+                 for leaf in leaves]
+        return (ambient(), spec, *parts, self._python_state(), _same_tensors(leaves)), leaves
+
+    def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
+        for entry in self.cache.get(key, ()):
+            if object_guards_hold(*entry.checks):
+                lifted = entry.current_lifted()
+                if lifted is not None:
+                    return entry, lifted
+        return None
+
+    def entry_for(self, args: tuple, kwargs: dict, vmap: bool = False
+                  ) -> tuple[CompiledEntry, list[Any], list[torch.Tensor]]:
+        """The program for this call, its inputs; under ``vmap`` one needing autograd is refused, not kept."""
+        key, leaves = self.signature(args, kwargs)
+        found = self._find(key)
+        if found is None:
+            with self._lock:  # one thread compiles a signature; the others wait for it
+                found = self._find(key)
+                if found is None:
+                    names = self._object_names()
+                    why = [guard_text(path, expect, got, names) for e in self.cache.get(key, ())
+                           for path, expect, got in failed_guards(e.guards, ())]
+                    try:
+                        entry = self._compile(args, kwargs)
+                    except RuntimeError as e:  # torch.func refused an autograd.Function: a region's call
+                        if vmap and _raised_in_autograd_function(e):
+                            raise self._torch_func_refusal("Vmap", _READS_GRAD) from e
+                        raise
+                    if vmap and isinstance(entry.program, TrainingProgram):  # not kept
+                        raise self._torch_func_refusal("Vmap", _READS_GRAD)
+                    self.stats.compiles += 1
+                    self.stats.compile_seconds.append(entry.compile_seconds)
+                    entry.why = tuple(why)
+                    self.cache.setdefault(key, []).append(entry)
+                    return entry, leaves, list(entry.forward.lifted)
+        if vmap and isinstance(found[0].program, TrainingProgram):
+            raise self._torch_func_refusal("Vmap", _READS_GRAD)
+        return found[0], leaves, found[1]
+
+    def _compile(self, args: tuple, kwargs: dict) -> CompiledEntry:
+        start = time.perf_counter()
+        traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions)
+        program = run_passes(traced, BACKEND_PASSES[self.backend])
+        forward = program.forward if isinstance(program, TrainingProgram) else program
+        seconds = time.perf_counter() - start
+        # a module tensor swapped in for this call (torch.func.functional_call) is read from where it
+        # lives, as the module's own are: a later call must not see it once the module has its own back
+        now = self._tensor_slots() if any(id(t) not in self._slots for t in forward.lifted) else {}
+        return CompiledEntry(
+            program,
+            tuple(i for i, _ in forward.signature.tensor_meta),
+            tuple(self._slots.get(id(t)) or now.get(id(t)) or _slot(t, src)
+                  for t, src in zip(forward.lifted, forward.lifted_from or (None,) * len(forward.lifted))),
+            tuple(TensorMeta.of(t) for t in forward.lifted),
+            seconds,
+            forward.guards,
+        )
+
+    def _name(self) -> str:
+        return type(self._module).__name__ if self._module is not None else getattr(self.fn, "__name__", "fn")
+
+    def _torch_func_refusal(self, kind: str, detail: str = "", reason: str = "") -> UnsupportedOperatorError:
+        why, todo = _REFUSED[reason or kind]
+        return torch_func_refusal(f"efx.compile'd {self._name()!r}", kind, why.format(detail), todo)
+
+    def _check_torch_func(self, args: tuple, kwargs: dict) -> None:
+        """Under vmap an inference program (captured on plain fakes) runs its aten ops batched, as eager
+        does; another transform would be baked into the graph, and a training program is an
+        autograd.Function, which torch.func cannot transform: refused before anything runs."""
+        others = [k for k in torch_func_kinds() if k != "Vmap"]
+        if others:
+            raise self._torch_func_refusal(others[-1])
+        own = [] if self._module is None else [
+            (repr(n), t) for n, t in (*self._module.named_parameters(), *self._module.named_buffers())]
+        leaves = tree_flatten((args, kwargs))[0]
+        needs_grad = wrapped_or_grad([(f"argument {i}", t) for i, t in enumerate(leaves)] + own)[1]
+        if needs_grad is not None:
+            raise self._torch_func_refusal("Vmap", f"its {needs_grad} requires grad")
+        if wrapped_or_grad(own)[0] is not None:  # functional_call under vmap (model ensembling)
+            raise self._torch_func_refusal("Vmap", reason="batched")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        vmap = FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
+        if vmap:
+            self._check_torch_func(args, kwargs)
+        entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
+        self.stats.calls += 1
+        program = entry.program
+        forward = entry.forward
+        inputs = [leaves[i] for i in entry.tensor_positions]
+        inputs.extend(lifted)
+        if isinstance(program, TrainingProgram):
+            return forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
+        return forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
+
+    # -- inspection ------------------------------------------------------------------------------
+    def programs(self) -> list[Program | TrainingProgram]:
+        return [e.program for entries in self.cache.values() for e in entries]
+
+    def __repr__(self) -> str:
+        return f"<effectfx.compile of {getattr(self.fn, '__name__', type(self.fn).__name__)}: " \
+               f"{self.stats.compiles} compiled signature(s), backend {self.backend!r}>"
