@@ -350,3 +350,13 @@ def test_vmap_and_functional_call_of_regions_in_eager_are_eager() -> None:
     assert_eager(lambda f: vmap(f)(XS), block.__wrapped__, block)
     stacked = {k: torch.stack([v, v + 1]) for k, v in new_params(m).items()}
     assert_eager(lambda mod: vmap(lambda p, x: functional_call(mod, p, (x,)))(stacked, XS), plain, m)
+
+
+def test_jvp_inside_captured_code_with_python_constants() -> None:
+    """Was a raw RuntimeError ('invalid python storage') from the constant-folding of ``* 2`` under jvp."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return jvp(lambda v: v.sin() * 2, (x,), (x,))[1]
+
+    x = torch.randn(3)
+    torch.testing.assert_close(efx.capture(f, x)(x), f(x))
+    torch.testing.assert_close(efx.compile(f)(x), f(x))

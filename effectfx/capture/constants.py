@@ -136,8 +136,12 @@ class Constants:
         if not (written or getattr(func, "is_view", False)):
             # twins alias where the fakes do, no more: an op the tracer takes as fresh (``_unsafe_view``)
             # may hand back its input's memory
-            storages = {t.untyped_storage().data_ptr() for t in inputs}
-            if any(r.untyped_storage().data_ptr() in storages for r in reals):
+            try:
+                storages = {t.untyped_storage().data_ptr() for t in inputs}
+                aliased = any(r.untyped_storage().data_ptr() in storages for r in reals)
+            except RuntimeError:  # a tensor without a Python storage (a torch.func wrapper's): unknown
+                return None
+            if aliased:
                 with _unseen():
                     reals = [r.clone() if r.untyped_storage().data_ptr() in storages else r for r in reals]
         return list(zip(fakes, reals))
