@@ -4,10 +4,11 @@ Generates ``--programs`` random programs (``effectfx.testing.generator``, driven
 ``--seed``) and runs each (``effectfx.testing.checking``) in eager, through every form in
 ``effectfx.testing.differential.FORMS`` and through ``efx.compile`` with backward, comparing outputs,
 gradients, effect logs (what the program prints included), and the arguments and buffers after every call
-(programs update both in place); a program effectfx must refuse (a region changing its list argument, an
-update of a leaf that requires grad) must be refused by every form.  Prints a progress bar on stderr and a
-summary on stdout; on any failure, minimizes one program per kind of failure and saves it as a standalone
-reproducer in ``--out``, and exits 1.
+(programs update both in place) -- also over a sequence of calls with module hooks registered or removed
+between them, on the eager model and the compiled one alike; a program effectfx must refuse (a region
+changing its list argument, an update of a leaf that requires grad) must be refused by every form.  Prints
+a progress bar on stderr and a summary on stdout; on any failure, minimizes one program per kind of failure
+and saves it as a standalone reproducer in ``--out``, and exits 1.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="eager", help="efx.compile backend to check (eager, inductor)")
     parser.add_argument("--exclude", action="append", default=[], metavar="KIND",
                         help="statement kind or effect op generated programs must not use "
-                             "(e.g. nograd, inplace, loop, scale); repeatable")
+                             "(e.g. nograd, inplace, loop, scale, child, hook, backward_hook, late_hook); "
+                             "repeatable")
     parser.add_argument("--max-regions", type=int, default=4)
     parser.add_argument("--max-stmts", type=int, default=6)
     parser.add_argument("--max-repros", type=int, default=3,
@@ -150,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
     forms_run = forms or tuple(differential.FORMS)
     print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")
     print(f"  forms checked      : {', '.join(forms_run)}, "
-          f"compile backend {args.backend!r} (x2, new inputs, updated parameters; with backward; "
-          "arguments and buffers after every call)")
+          f"compile backend {args.backend!r} (x2, new inputs, updated parameters, hooks changed between "
+          "calls; with backward; arguments and buffers after every call)")
     print(f"  comparisons        : {stats.comparisons}")
     print(f"  effects compared   : {stats.effects_compared}")
     print(f"  mismatches         : {stats.mismatches}")

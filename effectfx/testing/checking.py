@@ -2,20 +2,21 @@
 
 :func:`check_program` runs one :class:`~effectfx.testing.program.ProgramSpec` in eager, through every form
 in ``FORMS`` and through ``efx.compile`` (twice on the same inputs, once on new inputs of the same
-signature, once after an in-place parameter update) and classifies what went wrong.  Each run gets fresh
-copies of the arguments and starts from the same buffers; the arguments and every buffer after every call
-are compared with eager's too (``differential.run_sequence``, shared with
-``check_mutations_against_eager``).  What the program
-prints (Python ``print`` to stdout or stderr) is part of its effect log, in order with the effect ops; a
-program effectfx must refuse (:meth:`~effectfx.testing.program.ProgramSpec.refusal`) must be refused by
-every form and by ``efx.compile``, before any effect runs.  :func:`shrink` is a deletion-based minimizer
-over the description.
+signature, once after an in-place parameter update; then, for a program whose hooks change between calls
+(:meth:`~effectfx.testing.program.ProgramSpec.sequence`), once per call of that sequence, each compared
+with eager's on the same hooks: ``effectfx.testing.sequence``) and classifies what went wrong.  Each run
+gets fresh copies of the arguments and starts from the same buffers; the arguments and every buffer after
+every call are compared with eager's too (``differential.run_sequence``, shared with
+``check_mutations_against_eager``).  What the program prints (Python ``print`` to stdout or stderr) is
+part of its effect log, in order with the effect ops; a program effectfx must refuse
+(:meth:`~effectfx.testing.program.ProgramSpec.refusal`) must be refused by every form and by
+``efx.compile``, before any effect runs.  :func:`shrink` (``effectfx.testing.shrinking``) is a
+deletion-based minimizer over the description.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import traceback
 import warnings
@@ -30,8 +31,11 @@ import effectfx as efx
 from . import differential
 from .differential import EagerMismatch, StartingState, compare, fresh_args, run_form, run_sequence, state_of
 from .effect_ops import LOG, recording
-from .program import CALL_KINDS, Body, ProgramSpec, Stmt, build_source
+from .program import ProgramSpec, build_source, load_source
 from .render import render
+from .sequence import EagerFailed, run_changing
+from .shrinking import _candidates as _candidates
+from .shrinking import shrink
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,13 @@ class Failure:
 
     @property
     def label(self) -> str:
-        where = "compile" if self.where.startswith("compile") else self.where
+        where = self.where
+        if where.startswith("compile"):
+            where = HOOKS_CHANGED if where.startswith(HOOKS_CHANGED) else "compile"
         return f"{self.kind} [{where}]"
+
+
+HOOKS_CHANGED = "compile, hooks changed between calls"  # where: effectfx.testing.sequence
 
 
 @dataclass
@@ -109,17 +118,24 @@ def _prints_to_log() -> Iterator[list[warnings.WarningMessage]]:
         yield caught
 
 
+Between = Callable[[torch.nn.Module, int], None]
+
+
 def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
                 forms: tuple[str, ...] | None = None, calls: int = 2, backend: str = "eager",
-                refusal: str | None = None) -> Outcome:
+                refusal: str | None = None, between: Between | None = None, sequence: int = 0) -> Outcome:
     """Run ``make()``'s model in eager, through every form in ``FORMS`` (``calls`` times each) and through
     ``efx.compile`` (``calls`` times, then once on ``make(1)``'s inputs and once after an in-place update of
-    the parameters, neither of which may recompile).  With ``refusal`` (an error class name), every form
-    and ``efx.compile`` must raise it instead, having run no effect."""
+    the parameters, neither of which may recompile).  With ``between`` (hooks registered or removed before
+    call ``k`` of a sequence, ``between(model, k)``), the same compiled module then makes ``sequence`` calls,
+    each compared with eager's on the model as ``between`` left it (``effectfx.testing.sequence``).  With
+    ``refusal`` (an error class name), every form and ``efx.compile`` must raise it instead, having run no
+    effect."""
     outcome = Outcome()
     start = time.perf_counter()
     with _prints_to_log() as caught:
-        _check(make, forms or tuple(differential.FORMS), calls, backend, refusal, outcome)
+        _check(make, forms or tuple(differential.FORMS), calls, backend, refusal, outcome,
+               (between, sequence) if between is not None and sequence > 1 else None)
     outcome.failures.extend(Failure("capture", f"warned: {type(w.message).__name__}", str(w.message))
                             for w in caught if isinstance(w.message, efx.EffectfxWarning))
     outcome.seconds = time.perf_counter() - start
@@ -127,7 +143,7 @@ def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
 
 
 def _check(make: Callable[[int], tuple[torch.nn.Module, tuple]], forms: tuple[str, ...], calls: int,
-           backend: str, refusal: str | None, outcome: Outcome) -> None:
+           backend: str, refusal: str | None, outcome: Outcome, changes: tuple[Between, int] | None) -> None:
     model, args = make(0)
     if refusal is not None:  # (eager may refuse it too: a leaf that requires grad updated in place)
         builders = {name: differential.FORMS[name] for name in forms}
@@ -189,6 +205,29 @@ def _check(make: Callable[[int], tuple[torch.nn.Module, tuple]], forms: tuple[st
     if not outcome.failures and cfn.stats.compiles != 1:
         outcome.failures.append(Failure("compile", "recompiled for the same signature",
                                         f"{cfn.stats.compiles} compiles for one signature"))
+    if changes is not None:
+        _check_changes(model, cfn, make_args, *changes, outcome)
+    start.reset()
+
+
+def _check_changes(model: torch.nn.Module, cfn: Any, make_args: Callable[[], tuple], between: Between,
+                   calls: int, outcome: Outcome) -> None:
+    """The compiled module already called, ``calls`` more calls with hooks changed between them."""
+    try:
+        pairs = run_changing(model, cfn, make_args, between, calls)
+    except EagerFailed as exc:  # the generator made an invalid program
+        outcome.failures.extend(_classify("eager", exc.__cause__ or exc))
+        return
+    except Exception as exc:
+        outcome.failures.extend(_classify(HOOKS_CHANGED, exc))
+        return
+    for i, (want, got) in enumerate(pairs):
+        outcome.comparisons += 1
+        try:
+            compare(f"{HOOKS_CHANGED}, call {i + 1}", want, got)
+        except EagerMismatch as exc:
+            outcome.failures.extend(_classify(HOOKS_CHANGED, exc))
+        outcome.effects_compared += len(want.log)
 
 
 def _check_refused(where: str, build: Callable[[], Any], refusal: str, outcome: Outcome) -> None:
@@ -211,7 +250,9 @@ def _check_refused(where: str, build: Callable[[], Any], refusal: str, outcome: 
 def check_program(spec: ProgramSpec, forms: tuple[str, ...] | None = None, calls: int = 2,
                   backend: str = "eager") -> Outcome:
     src = render(spec)
-    return check_model(lambda variant: build_source(src, variant), forms, calls, backend, spec.refusal())
+    between = load_source(src)["between"] if spec.sequence() else None
+    return check_model(lambda variant: build_source(src, variant), forms, calls, backend, spec.refusal(),
+                       between, spec.sequence())
 
 
 def reproducer_source(spec: ProgramSpec, note: str = "", backend: str = "eager") -> str:
@@ -221,142 +262,11 @@ def reproducer_source(spec: ProgramSpec, note: str = "", backend: str = "eager")
         comment + render(spec)
         + "\n\nif __name__ == \"__main__\":\n"
         "    from effectfx.testing.checking import check_model\n\n"
-        f"    outcome = check_model(make, backend={backend!r}, refusal={spec.refusal()!r})\n"
+        f"    outcome = check_model(make, backend={backend!r}, refusal={spec.refusal()!r}"
+        + (f", between=between, sequence={spec.sequence()}" if spec.sequence() else "") + ")\n"
         "    print(outcome.report())\n"
         "    raise SystemExit(1 if outcome.failures else 0)\n"
     )
-
-
-# -- shrinking ---------------------------------------------------------------------------------------
-def _delete_stmt(body: Body, index: int) -> Body:
-    """``body`` without statement ``index``; later reads of its outputs read its first argument."""
-    gone = body.stmts[index]
-    fallback = gone.args[0] if gone.args else body.params[0]
-    names = {out: fallback for out in gone.outs}
-    stmts = tuple(s.renamed(names) for s in body.stmts[:index] + body.stmts[index + 1:])
-    # in-place statements re-read nothing else; returns follow the renaming too
-    return Body(body.params, stmts, tuple(names.get(r, r) for r in body.returns))
-
-
-def _map_bodies(spec: ProgramSpec, fn: Callable[[Body], Body]) -> ProgramSpec:
-    return dataclasses.replace(
-        spec, forward=fn(spec.forward),
-        regions=tuple(dataclasses.replace(r, body=fn(r.body)) for r in spec.regions),
-        block_body=fn(spec.block_body) if spec.block_body is not None else None,
-    )
-
-
-def _without_calls(body: Body, pred: Callable[[Stmt], bool]) -> Body:
-    while True:
-        index = next((i for i, s in enumerate(body.stmts) if pred(s)), None)
-        if index is None:
-            return body
-        body = _delete_stmt(body, index)
-
-
-def _replace_body(spec: ProgramSpec, where: str, body: Body) -> ProgramSpec:
-    if where == "forward":
-        return dataclasses.replace(spec, forward=body)
-    if where == "step":
-        return dataclasses.replace(spec, block_body=body)
-    return dataclasses.replace(spec, regions=tuple(
-        dataclasses.replace(r, body=body) if r.name == where else r for r in spec.regions))
-
-
-def _drop_input(spec: ProgramSpec, i: int, instead: int) -> ProgramSpec:
-    """``spec`` without input ``x<i>``: reads of it read ``x<instead>``, later inputs move down."""
-    names = {f"x{i}": f"x{instead - (instead > i)}"}
-    names.update({f"x{k}": f"x{k - 1}" for k in range(i + 1, len(spec.inputs))})
-    forward = spec.forward
-    stmts = tuple(s.renamed(names) for s in forward.stmts)
-    returns = tuple(names.get(r, r) for r in forward.returns)
-    return dataclasses.replace(spec, inputs=spec.inputs[:i] + spec.inputs[i + 1:],
-                               forward=Body(forward.params[:-1], stmts, returns))
-
-
-def _simpler_calls(s: Stmt) -> list[Stmt]:
-    simpler = []
-    if s.kind == "loop" and s.value > 1:
-        simpler.append(dataclasses.replace(s, value=s.value - 1))
-    if s.kind in ("chain", "loop", "nograd"):
-        simpler.append(dataclasses.replace(s, kind="call"))
-    if s.s is not None:
-        simpler.append(dataclasses.replace(s, s=None))
-    return simpler
-
-
-def _candidates(spec: ProgramSpec) -> Iterator[ProgramSpec]:
-    """Simpler variants of ``spec``, the most drastic first."""
-    for r in spec.regions:  # drop a whole region (and its calls)
-        without = _map_bodies(spec, lambda b, n=r.name: _without_calls(b, lambda s: s.op == n
-                                                                        and s.kind in CALL_KINDS))
-        yield dataclasses.replace(without, regions=tuple(x for x in without.regions if x.name != r.name))
-    for where, body in list(spec.bodies()):
-        for i in reversed(range(len(body.stmts))):  # drop one statement
-            yield _replace_body(spec, where, _delete_stmt(body, i))
-        for i, s in enumerate(body.stmts):  # simpler call shapes
-            for new in _simpler_calls(s):
-                stmts = body.stmts[:i] + (new,) + body.stmts[i + 1:]
-                yield _replace_body(spec, where, dataclasses.replace(body, stmts=stmts))
-        if len(body.returns) > 1 and where == "forward":
-            for i in range(len(body.returns)):
-                yield _replace_body(spec, where, dataclasses.replace(
-                    body, returns=body.returns[:i] + body.returns[i + 1:]))
-    for i, rg in enumerate(spec.inputs):
-        if rg:
-            yield dataclasses.replace(spec, inputs=spec.inputs[:i] + (False,) + spec.inputs[i + 1:])
-    for i in range(len(spec.inputs)):  # drop an input; reads of it read another input
-        for j in range(len(spec.inputs)):
-            if j != i:
-                yield _drop_input(spec, i, j)
-    for i, rg in enumerate(spec.weights):
-        if rg:
-            yield dataclasses.replace(spec, weights=spec.weights[:i] + (False,) + spec.weights[i + 1:])
-    if spec.weights:  # drop the last parameter and the matmuls reading it
-        last = f"w{len(spec.weights) - 1}"
-        without = _map_bodies(spec, lambda b: _without_calls(b, lambda s: s.weight == last))
-        yield dataclasses.replace(without, weights=spec.weights[:-1])
-    if spec.constants:
-        last = f"C{spec.constants - 1}"
-        without = _map_bodies(spec, lambda b: _without_calls(b, lambda s: s.weight == last))
-        yield dataclasses.replace(without, constants=spec.constants - 1)
-    if spec.blocks:  # drop the sub-modules, or the last one, or a requires_grad
-        without = _map_bodies(spec, lambda b: _without_calls(b, lambda s: s.kind == "blocks"))
-        yield dataclasses.replace(without, blocks=(), block_body=None)
-        if len(spec.blocks) > 1:
-            yield dataclasses.replace(spec, blocks=spec.blocks[:-1])
-        for i, rg in enumerate(spec.blocks):
-            if rg:
-                yield dataclasses.replace(spec, blocks=spec.blocks[:i] + (False,) + spec.blocks[i + 1:])
-    if spec.batch > 2:
-        yield dataclasses.replace(spec, batch=2)
-
-
-def shrink(spec: ProgramSpec, still_fails: Callable[[ProgramSpec], bool], budget_seconds: float = 120.0,
-           max_tries: int = 400) -> ProgramSpec:
-    """Greedy deletion-based minimization: keep taking the first simpler variant that still fails."""
-    deadline = time.monotonic() + budget_seconds
-    tries = 0
-    improved = True
-    seen: set[str] = set()
-    while improved and time.monotonic() < deadline and tries < max_tries:
-        improved = False
-        for candidate in _candidates(spec):
-            if time.monotonic() >= deadline or tries >= max_tries:
-                break
-            src = render(candidate)
-            if src in seen:
-                continue
-            seen.add(src)
-            tries += 1
-            try:
-                failing = still_fails(candidate)
-            except Exception:
-                failing = False
-            if failing:
-                spec, improved = candidate, True
-                break
-    return spec
 
 
 def fails_like(kinds: frozenset[str], forms: tuple[str, ...] | None = None,

@@ -10,13 +10,17 @@ with the result unused; regions may take a number ``s`` and a list ``xs`` of ten
 rarely, change: such a program must be refused).  Bodies on a module may update its buffers and run its
 BatchNorm, and read the state afterwards; any body may update an argument or an intermediate in place --
 only one that nothing aliases and no op saved for backward (the tensors eager would let change), and a
-region doing so is called on distinct such tensors of its caller, once at a time.  Rarely the root updates
-an input that is a leaf requiring grad: such a program must be refused.  Region ``i`` may only call
-regions ``j > i`` and nesting is at most :data:`~effectfx.testing.program.MAX_DEPTH` deep, so there is no
-recursion.
+region doing so is called on distinct such tensors of its caller, once at a time.  Bodies on a module call
+its children (a ``Linear``, an ``Identity``) and the root calls the blocks as modules or through their
+region method; module hooks (forward, pre-forward, full backward) on the blocks, their children and the
+program module's children log per-layer (or shared) labels and scale what they return, registered by
+``make`` or between two calls of a sequence -- and then also on the program module itself (``_hooks``).
+Rarely the root updates an input that is a leaf requiring grad: such a program must be refused.  Region
+``i`` may only call regions ``j > i`` and nesting is at most :data:`~effectfx.testing.program.MAX_DEPTH`
+deep, so there is no recursion.
 
-The description and its source are ``effectfx.testing.program``; running and minimizing are
-``effectfx.testing.checking``.
+The description and its source are ``effectfx.testing.program`` (printed by ``render``); running is
+``effectfx.testing.checking`` (and ``sequence``), minimizing ``effectfx.testing.shrinking``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from .effect_ops import EFFECT_KEYS
+from .module_hooks import CHILDREN, HOOK_EFFECTS, HookSpec
 from .program import (
     BINARY,
     BUFFER_READS,
@@ -61,6 +66,7 @@ class _Context:
     callees: list[RegionSpec]
     effect_ops: list[tuple[str, str, bool]]
     blocks: bool = False  # "blocks" statements may run the sub-modules
+    children: int = 0  # "child" statements may call the module's children (CHILDREN): how often
     scalar: bool = False  # the body has a number parameter ``s``
     list_len: int = 0  # the body has a list parameter ``xs`` of this many tensors
     changes: bool = False  # the body changes ``xs`` (the program must be refused)
@@ -117,7 +123,7 @@ def _data_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], ou
 
 
 def _call_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], fresh: Any,
-               exclude: frozenset[str], updatable: list[str]) -> Stmt | None:
+               exclude: frozenset[str], updatable: list[str], first: bool = False) -> Stmt | None:
     # a region updating its arguments is called once at a time (not chained, looped or under no_grad), on
     # distinct updatable tensors of the caller; None when no region can be called
     def fits(r: RegionSpec) -> bool:
@@ -133,7 +139,9 @@ def _call_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], fr
     candidates = eligible if kind in ("chain", "loop") else [r for r in ctx.callees if fits(r)]
     if not candidates:
         return None
-    callee = draw(st.sampled_from(candidates))
+    # a body's first call is, half the time, of the deepest region it may call (``ctx.callees`` come
+    # deepest first): nesting is reached as often as regions nest
+    callee = candidates[0] if first and draw(st.booleans()) else draw(st.sampled_from(candidates))
     written = sorted(ctx.mutates.get(callee.name, frozenset()))
     chosen = draw(st.lists(st.sampled_from(updatable), min_size=len(written), max_size=len(written),
                            unique=True)) if written else []
@@ -165,7 +173,8 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
     if ctx.callees:  # about half the statements call a region when there is one to call
         kinds += ["call", "call", "call", "unused", "chain", "chain", "loop", "loop", "nograd"]
     if ctx.blocks:
-        kinds += ["blocks", "blocks"]
+        kinds += ["blocks"] * 4
+    kinds += ["child"] * ctx.children
     if ctx.scalar:
         kinds += ["scalar", "scalar"]
     if ctx.list_len:
@@ -185,7 +194,8 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
         a = draw(st.sampled_from(names[::-1]))  # shrinks towards the newest value
         label = f"{ctx.name}.{i}"
         if kind == "mutate":
-            leaf = bool(ctx.leaves) and draw(st.integers(0, 19)) == 0  # eager refuses it: so must effectfx
+            # eager refuses it: so must effectfx
+            leaf = bool(ctx.leaves) and "leaf" not in exclude and draw(st.integers(0, 19)) == 0
             if leaf or updatable:
                 own = [p for p in updatable if p in params]  # a region's own argument, half the time
                 pool = list(ctx.leaves) if leaf else own if own and draw(st.booleans()) else updatable[::-1]
@@ -210,8 +220,10 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
             pass
         elif kind in _DATA_KINDS:
             stmt = _data_stmt(draw, kind, ctx, a, names, next(fresh))
-        elif kind == "blocks":
-            stmt = Stmt(kind, "blocks", (a,), (next(fresh),))
+        elif kind == "blocks":  # (op "call": each block as a module, its hooks around its region)
+            stmt = Stmt(kind, draw(st.sampled_from(["blocks", "call", "call"])), (a,), (next(fresh),))
+        elif kind == "child":
+            stmt = Stmt(kind, draw(st.sampled_from(sorted(CHILDREN))), (a,), (next(fresh),))
         elif kind == "item":
             op = draw(st.sampled_from(sorted(ITEMS)))
             j = draw(st.integers(-ctx.list_len, ctx.list_len - 1)) if op == "index" else 0
@@ -224,7 +236,7 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
             stmt = Stmt(kind, op, (a,) if op in TENSOR_EFFECTS else (), (next(fresh),) if has_out else (),
                         label, value)
         else:
-            call = _call_stmt(draw, kind, ctx, a, names, fresh, exclude, updatable)
+            call = _call_stmt(draw, kind, ctx, a, names, fresh, exclude, updatable, first=i == 0)
             stmt = call if call is not None else _data_stmt(draw, "unary", ctx, a, names, next(fresh))
         if not _harmless_read(stmt):
             updatable = [n for n in updatable if n not in stmt.args + stmt.items]
@@ -246,6 +258,10 @@ def _mutates(regions: list[RegionSpec]) -> dict[str, frozenset[int]]:
                               if p in mutated_params(r.body, by_name.__getitem__)) for r in regions}
 
 
+def _deepest_first(regions: list[RegionSpec], heights: dict[str, int]) -> list[RegionSpec]:
+    return sorted(regions, key=lambda r: -heights[r.name])
+
+
 def _state(draw: Any, module: bool, exclude: frozenset[str]) -> dict[str, bool]:
     """Whether a body on a module updates and reads its buffers (a third of them), and runs its BatchNorm."""
     state = module and "buffer" not in exclude and draw(st.integers(0, 2)) == 0
@@ -257,7 +273,10 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
              exclude: frozenset[str] | tuple[str, ...] = ()) -> ProgramSpec:
     """Hypothesis strategy for :class:`ProgramSpec`.  ``exclude`` names statement kinds (``"nograd"``,
     ``"inplace"``, ``"print"``, ``"list"`` for list arguments, ``"change"`` for changing them, ``"buffer"``
-    for buffer updates, ``"bn"`` for BatchNorm, ``"mutate"`` for updating arguments in place, ...) or
+    for buffer updates, ``"bn"`` for BatchNorm, ``"mutate"`` for updating arguments in place, ``"leaf"`` for
+    updating an input that is a leaf requiring grad (refused), ``"child"``
+    for child modules, ``"hook"`` for module hooks, ``"backward_hook"`` for full backward hooks,
+    ``"late_hook"`` for hooks registered or removed between calls, ...) or
     effect ops (``"scale"``, ``"logged"``, ...) that generated programs must not use."""
     exclude = frozenset(exclude)
     keys = tuple(sorted(draw(st.lists(st.sampled_from(EFFECT_KEYS), min_size=1, max_size=3, unique=True))))
@@ -274,7 +293,7 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
         name = f"r{idx}"
         style = draw(st.sampled_from(REGION_STYLES))
         module_ref = {"method": "self", "module_fn": "m", "function": None}[style]
-        callees = [r for r in regions if heights[r.name] < MAX_DEPTH
+        callees = [r for r in _deepest_first(regions, heights) if heights[r.name] < MAX_DEPTH
                    and (module_ref is not None or r.style == "function")]
         scalar = "scalar" not in exclude and draw(st.booleans())
         list_len = 0 if "list" in exclude else draw(st.sampled_from([0, 0, 0, 1, 2, 3]))
@@ -284,6 +303,7 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
         ctx = _Context(name, module_ref, consts + (params_w if module_ref else []), callees, effect_ops,
                        scalar=scalar, list_len=list_len, changes=changes, mutates=mutates,
                        mutable=frozenset(f"x{i}" for i in range(n_params)),
+                       children=2 if module_ref is not None else 0,
                        **_state(draw, module_ref is not None, exclude))
         n_returns = draw(st.sampled_from([1, 1, 1, 2, 0]))
         body = draw(_body(ctx, tuple(f"x{i}" for i in range(n_params)), max_stmts, n_returns, exclude))
@@ -292,21 +312,59 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
     blocks: tuple[bool, ...] = ()
     block_body = None
     if "blocks" not in exclude and draw(st.booleans()):  # sub-modules sharing one region method
-        blocks = tuple(draw(st.lists(st.booleans(), min_size=1, max_size=3)))
+        n_blocks = draw(st.sampled_from([1, 2, 2, 3, 3]))  # (several, mostly: per-layer hooks)
+        blocks = tuple(draw(st.lists(st.booleans(), min_size=n_blocks, max_size=n_blocks)))
         callees = [r for r in regions if r.style == "function" and heights[r.name] < MAX_DEPTH - 1]
         ctx = _Context("step", "self", consts + ["w"], callees, effect_ops, mutates=_mutates(callees),
-                       **_state(draw, True, exclude))
+                       children=5, **_state(draw, True, exclude))
         block_body = draw(_body(ctx, ("x0",), max_stmts, 1, exclude))
-    ctx = _Context("forward", "self", consts + params_w, list(regions), effect_ops, blocks=bool(blocks),
-                   mutates=_mutates(regions),
+    ctx = _Context("forward", "self", consts + params_w, _deepest_first(regions, heights), effect_ops,
+                   blocks=bool(blocks),
+                   mutates=_mutates(regions), children=2,
                    mutable=frozenset(f"x{i}" for i, rg in enumerate(inputs) if not rg),
                    leaves=tuple(f"x{i}" for i, rg in enumerate(inputs) if rg), **_state(draw, True, exclude))
     n_out = draw(st.integers(1, 2))
     forward = draw(_body(ctx, tuple(f"x{i}" for i in range(len(inputs))), max_stmts + 2, n_out, exclude))
     batch = draw(st.sampled_from([2, 3]))
     seed = draw(st.integers(0, 2**16))
-    return ProgramSpec(batch, 4, keys, inputs, weights, constants, tuple(regions), forward, seed,
+    spec = ProgramSpec(batch, 4, keys, inputs, weights, constants, tuple(regions), forward, seed,
                        blocks, block_body)
+    return dataclasses.replace(spec, hooks=_hooks(draw, spec, exclude))
+
+
+def _hooks(draw: Any, spec: ProgramSpec, exclude: frozenset[str]) -> tuple[HookSpec, ...]:
+    """Module hooks on the blocks and the children the bodies call; with ``late``, some registered or
+    removed between calls, and then maybe on the program module itself (only ever added late)."""
+    if "hook" in exclude:
+        return ()
+    late = "late_hook" not in exclude
+    # modules the program calls (weighted: hooks inside the blocks' region first)
+    runs = {s.op for s in spec.forward.stmts if s.kind == "blocks"}
+    targets = (["blocks"] * 3 if "call" in runs else []) \
+        + ([f"blocks.{c}" for c in spec.children("block")] * 4 if runs else []) + spec.children("model") * 2
+    counts = ([1, 1, 2, 3] if runs else [0, 1, 1, 2, 3]) if targets else [0, 0, 0, 1] if late else [0]
+    n = draw(st.sampled_from(counts))
+    effects = [e for e, (_, key) in HOOK_EFFECTS.items() if (key in spec.keys or key == "ordered")
+               and e not in exclude]
+    hooks = []
+    for _ in range(n):
+        target = draw(st.sampled_from(targets + (["model"] if late and n < 3 else [])))
+        kinds = ["forward", "forward", "pre"]
+        # (an input updated in place after a backward hook's wrapper made it a view: eager refuses it)
+        if "backward_hook" not in exclude and (target != "model" or not spec.mutated(spec.forward)):
+            kinds.append("backward")
+        kind = draw(st.sampled_from(kinds))
+        effect = draw(st.sampled_from(["", *(e for e in effects if kind != "backward" or e != "bump")]))
+        s = draw(st.sampled_from([0.5, 2.0, -1.0] if not effect else [None, None, 0.5, 2.0, -1.0]))
+        layers: tuple[int, ...] = ()
+        if target.startswith("blocks"):  # every layer, two times in three
+            picked = draw(st.lists(st.integers(0, len(spec.blocks) - 1), min_size=1, unique=True))
+            layers = tuple(range(len(spec.blocks))) if draw(st.integers(0, 2)) else tuple(sorted(picked))
+        sharing = draw(st.sampled_from(["own", "equal", "one"])) if len(layers) > 1 else "own"
+        added = draw(st.sampled_from([1, 2] if target == "model" else [0, 0, 0, 1, 2] if late else [0]))
+        removed = draw(st.sampled_from([0, 0, added + 1])) if late else 0
+        hooks.append(HookSpec(target, kind, effect, s, sharing, layers, added, removed))
+    return tuple(hooks)
 
 
 __all__ = ["programs"]

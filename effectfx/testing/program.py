@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .module_hooks import CHILDREN, HookSpec
+
 MAX_DEPTH = 3  # region nesting depth (a region called from the root is at depth 1)
 
 # -- the ops a statement may use, as tables: name -> Python expression over ``a`` (and ``b``) ----------
@@ -124,8 +126,9 @@ class Stmt:
 
     kind: "unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar", "effect", "print", "item"
     (reads the list argument), "change" (changes it), "blocks", "buffer" (updates the module's state),
-    "bufread" (reads it), "bn" (the module's BatchNorm1d), "mutate" (updates ``args[0]`` in place) or one of
-    CALL_KINDS.  op: the table entry
+    "bufread" (reads it), "bn" (the module's BatchNorm1d), "mutate" (updates ``args[0]`` in place), "child"
+    (calls the child module ``op`` of CHILDREN) or one of CALL_KINDS ("blocks" with op "call" calls each
+    block as a module, running its hooks; op "blocks" calls its region method ``step``).  op: the table entry
     (or region name for calls, or effect op name); args: variables read; outs: variables assigned; label:
     effect or print label; value: scale factor / loop count / list index; weight: the matrix of a matmul
     ("w0" a module parameter, "C0" a closed-over constant); items: the list passed to a region taking one.
@@ -175,6 +178,7 @@ class ProgramSpec:
     seed: int = 0
     blocks: tuple[bool, ...] = ()  # requires_grad of each sub-module's weight (self.blocks[i].w)
     block_body: Body | None = None  # the body of Block.step, an @efx.region method shared by the blocks
+    hooks: tuple[HookSpec, ...] = ()
 
     # -- inspection ----------------------------------------------------------------------------------
     def region(self, name: str) -> RegionSpec:
@@ -215,6 +219,20 @@ class ProgramSpec:
                 todo.extend(s.op for s in self._calls(self.region(name).body))
         return seen
 
+    def children(self, owner: str) -> list[str]:
+        """The child modules (CHILDREN) of the ``owner`` ("block" or "model"): those its bodies call and those
+        a hook is on."""
+        bodies = (self.block_body,) if owner == "block" else self.module_bodies()
+        used = {s.op for b in bodies if b is not None for s in b.stmts if s.kind == "child"}
+        prefix = "blocks." if owner == "block" else ""
+        used |= {h.target[len(prefix):] for h in self.hooks if h.target in {prefix + c for c in CHILDREN}}
+        return [c for c in CHILDREN if c in used]
+
+    def sequence(self) -> int:
+        """How many calls the sequence the harness changes hooks between has (0: no hook changes)."""
+        last = max((max(h.added, h.removed) for h in self.hooks), default=0)
+        return last + 1 if last else 0
+
     def mutated(self, body: Body) -> set[str]:
         """The parameters of ``body`` it updates in place, itself or through a region it calls."""
         return mutated_params(body, self.region)
@@ -234,8 +252,8 @@ class ProgramSpec:
         list, and what a region it calls hands back unchanged."""
         found = set(body.params)
         for s in body.stmts:
-            if s.kind == "item" and s.op == "index":
-                found.update(s.outs)
+            if (s.kind == "item" and s.op == "index") or (s.kind, s.op) == ("child", "ident"):
+                found.update(s.outs)  # (a child Identity hands back what it is given)
             elif s.kind in CALL_KINDS:
                 callee = self.region(s.op).body
                 through = self.arguments(callee)
@@ -262,7 +280,10 @@ class ProgramSpec:
         for _, body in self.bodies():
             for s in body.stmts:
                 found.add(f"effect:{s.op}" if s.kind == "effect" else f"{s.kind}:{s.op}"
-                          if s.kind in ("print", "item", "change", "buffer", "bufread", "mutate") else s.kind)
+                          if s.kind in ("print", "item", "change", "buffer", "bufread", "mutate", "child")
+                          else s.kind)
+                if (s.kind, s.op) == ("blocks", "call"):
+                    found.add("blocks called as modules")
                 if s.kind in CALL_KINDS:
                     calls[s.op] = calls.get(s.op, 0) + (int(s.value) if s.kind == "loop" else
                                                         2 if s.kind == "chain" else 1)
@@ -290,11 +311,30 @@ class ProgramSpec:
             found.add("region called with different numbers")
         if len(set(self.blocks)) == 2:
             found.add("blocks with mixed requires_grad")
+        found |= self._hook_features()
         return frozenset(found)
+
+    def _hook_features(self) -> set[str]:
+        found = set()
+        in_regions = {s.op for r in self.regions if r.name in self.reached() and r.style != "function"
+                      for s in r.body.stmts if s.kind == "child"}
+        for h in self.hooks:
+            found |= {f"hook:{h.kind}", f"hook on {h.target}", f"hook effect:{h.effect or 'none'}"}
+            if h.target.startswith("blocks.") or h.target in in_regions:
+                found.add("hook inside a region")
+            if h.s is not None or h.effect == "bump":
+                found.add("hook returns a value")
+            if len(h.layers) > 1:
+                found.add(f"hook sharing:{h.sharing}")
+            if h.added:
+                found.add("hook added between calls")
+            if h.removed:
+                found.add("hook removed between calls")
+        return found
 
     def size(self) -> int:
         return sum(len(b.stmts) + 1 for _, b in self.bodies()) + len(self.inputs) + len(self.weights) \
-            + len(self.blocks)
+            + len(self.blocks) + sum(len(h.modules()) for h in self.hooks)
 
 
 
@@ -324,10 +364,15 @@ def _memo(fn: Callable[[str], int]) -> Callable[[str], int]:
 _COUNTER = itertools.count()
 
 
-def build_source(src: str, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
+def load_source(src: str, filename: str | None = None) -> dict[str, Any]:
+    """Execute a program's source in a fresh namespace (new classes, new region objects) and return it."""
     filename = filename or f"<efxfuzz program {next(_COUNTER)}>"
     # register the text so tracebacks and effectfx's "at file:line" messages show the generated code
     linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
     namespace: dict[str, Any] = {"__name__": "efxfuzz_generated"}
     exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - the program under test
-    return namespace["make"](variant)
+    return namespace
+
+
+def build_source(src: str, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
+    return load_source(src, filename)["make"](variant)
