@@ -331,11 +331,9 @@ def _nested_write_back_spec() -> ProgramSpec:
     return ProgramSpec(2, 4, ("memory",), (True, False), (), 0, (r0, r1), forward, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="effectfx core: print after a nested region's write-back shows "
-                   "grad_fn=<CopyBackwards> (eager: <AddBackward0>); capture.region_call's write-back takes "
-                   "the name from python_print.region_result_grad_fn, which reads the outer body's output "
-                   "(the inner write-back's copy_) and not tracer.written_by_region")
 def test_print_after_a_nested_regions_write_back() -> None:
+    """Was grad_fn=<CopyBackwards> (eager: <AddBackward0>): the name of a write-back two regions deep is
+    the innermost body's op (python_print.region_result_grad_fn reads tracer.written_by_region)."""
     outcome = check_program(_nested_write_back_spec())
     assert not outcome.failures, outcome.report()
 

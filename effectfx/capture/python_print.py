@@ -78,9 +78,13 @@ def region_result_grad_fn(tracer: Any, t: torch.Tensor) -> str | None:
         if owner is None:
             return None
         node = next(reversed(owner.graph.nodes)).args[0][i]
-        grad_fn = getattr(node.meta.get("val"), "grad_fn", None)
+        value = node.meta.get("val")
+        grad_fn = getattr(value, "grad_fn", None)
         if grad_fn is None:
             return None
+        written = tracer.written_by_region.get(id(value))  # a nested region's write-back: its body's op
+        if written is not None and written[0] is grad_fn:
+            return written[1]
         if not _ours(grad_fn):
             return _grad_fn_name(grad_fn)
     return None
