@@ -311,12 +311,9 @@ def _unused_input_spec() -> ProgramSpec:
     return ProgramSpec(2, 4, ("memory",), (False, True), (), 0, (), forward, 780, (False,), step, hooks)
 
 
-@pytest.mark.xfail(strict=True, reason="effectfx core: a training program's autograd node "
-                   "(program.program._RunTraining.apply(prog, *inputs)) has an edge to every input that "
-                   "requires grad, also one the outputs do not depend on; eager's graph has none, so the "
-                   "engine runs that input's grad_fn (here nn.Module's BackwardHookFunctionBackward: the "
-                   "model's full backward hook fires, with its effect) where eager never does")
 def test_a_full_backward_hook_with_an_unused_input() -> None:
+    """Was: the model's full backward hook fired (with its effect) where eager's never does -- a training
+    program's autograd node had an edge to an input no output depends on (TrainingProgram.run_autograd)."""
     outcome = check_program(_unused_input_spec())
     assert not outcome.failures, outcome.report()
 

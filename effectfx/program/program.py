@@ -186,6 +186,7 @@ class TrainingProgram:
                                                                           repr=False)
     covered_by: tuple[frozenset[int], ...] = ()  # per differentiable output (TracedGraph.covered_by)
     partial: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    _unreached_inputs: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def covers(self, live: tuple[bool, ...]) -> bool:
         """Whether the backward of the outputs in ``live`` reaches every other one's (a model's logits,
@@ -256,7 +257,19 @@ class TrainingProgram:
     __repr__ = __str__
 
     def run_autograd(self, inputs: list[torch.Tensor]) -> tuple:
+        # an input no output depends on gets no edge, as in eager's graph: its grad_fn (a backward hook's,
+        # a tensor hook) must not run with an undefined gradient
+        unreached = self._unreached()
+        if any(unreached):
+            inputs = [t.detach() if u else t for t, u in zip(inputs, unreached)]
         return _RunTraining.apply(self, *inputs)
+
+    def _unreached(self) -> tuple[bool, ...]:
+        """Per input: whether it requires grad but the backward gives it none (no output depends on it)."""
+        if not self._unreached_inputs:
+            graph_outs = iter(next(reversed(self.backward.graph_module.graph.nodes)).args[0])
+            self._unreached_inputs.append(tuple(m and next(graph_outs) is None for m in self.grad_mask))
+        return self._unreached_inputs[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.forward.flat_inputs(args, kwargs)
