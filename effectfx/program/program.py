@@ -140,8 +140,10 @@ class _RunTraining(torch.autograd.Function):
     """One autograd node per call of a compiled training program (see TrainingProgram)."""
 
     @staticmethod
-    def forward(ctx: Any, prog: TrainingProgram, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
-        results = prog.forward.run_flat(list(inputs))
+    def forward(ctx: Any, prog: TrainingProgram, aside: _Aside | None,  # type: ignore[override]
+                *inputs: torch.Tensor) -> tuple:
+        ctx.aside = aside
+        results = prog.forward.run_flat(aside.merge(inputs) if aside is not None else list(inputs))
         n_outs = len(results) - prog.forward.n_extra_outputs
         outs, saved = results[:n_outs], results[n_outs:]
         ctx.prog = prog
@@ -168,7 +170,26 @@ class _RunTraining(torch.autograd.Function):
             saved = ctx.saved_tensors
             results = iter(backward.run_flat([*[saved[i] for i in positions],
                                               *[g for g in tangents if g is not None]]))
-        return (None, *[next(results) if m else None for m in prog.grad_mask])
+        grads_in = [next(results) if m else None for m in prog.grad_mask]
+        if ctx.aside is not None:  # no gradient (and no edge) for the inputs set aside
+            grads_in = [g for g, u in zip(grads_in, ctx.aside.unreached) if not u]
+        return (None, None, *grads_in)
+
+
+class _Aside:
+    """The inputs of a training program no output depends on, handed to its autograd node outside the
+    tensors ``Function.apply`` makes edges to (one object: a pytree leaf), as eager's graph has no edge to
+    them; the forward still runs on the very tensors."""
+
+    __slots__ = ("unreached", "tensors")
+
+    def __init__(self, unreached: tuple[bool, ...], inputs: list[torch.Tensor]) -> None:
+        self.unreached = unreached
+        self.tensors = [t for t, u in zip(inputs, unreached) if u]
+
+    def merge(self, reached: tuple) -> list[torch.Tensor]:
+        kept, aside = iter(reached), iter(self.tensors)
+        return [next(aside) if u else next(kept) for u in self.unreached]
 
 
 @dataclass(frozen=True)
@@ -261,13 +282,15 @@ class TrainingProgram:
         # a tensor hook) must not run with an undefined gradient
         unreached = self._unreached()
         if any(unreached):
-            inputs = [t.detach() if u else t for t, u in zip(inputs, unreached)]
-        return _RunTraining.apply(self, *inputs)
+            aside = _Aside(unreached, inputs)
+            return _RunTraining.apply(self, aside, *[t for t, u in zip(inputs, unreached) if not u])
+        return _RunTraining.apply(self, None, *inputs)
 
     def _unreached(self) -> tuple[bool, ...]:
         """Per input: whether it requires grad but the backward gives it none (no output depends on it)."""
         if not self._unreached_inputs:
-            graph_outs = iter(next(reversed(self.backward.graph_module.graph.nodes)).args[0])
+            outs = next(reversed(self.backward.graph_module.graph.nodes)).args[0]
+            graph_outs = iter(outs[len(self.backward.token_keys):])  # (the functionalized form's tokens)
             self._unreached_inputs.append(tuple(m and next(graph_outs) is None for m in self.grad_mask))
         return self._unreached_inputs[0]
 
