@@ -66,6 +66,30 @@ def test_a_hook_inside_a_region_is_each_layers_own(requires_grad: bool) -> None:
     assert [e[1] for e in eager.log] == ["lin0", "lin1", "lin2"]
 
 
+GOLDEN_SHARED_HOOK = """\
+# Block_forward_subgraph0: 'subgraph_0'
+def Block_forward_subgraph0(self, token, x, lin_weight, lin_bias):
+    t = torch.ops.aten.t.default(lin_weight)
+    addmm = torch.ops.aten.addmm.default(lin_bias, x, t)
+    with_effects = effectfx.ops.with_effects(token, torch.ops.efxtest.log_tensor.default, addmm, 'lin')
+    getitem = with_effects[0]
+    relu = torch.ops.aten.relu.default(addmm)
+    return (getitem, relu)"""
+
+
+def test_golden_a_hook_inside_a_region_is_part_of_its_body() -> None:
+    """One hook function on every layer's submodule: one body, its effect between the Linear and the ReLU,
+    where nn.Module's call runs it; two call sites of it."""
+    model = Stack(2)
+    shared = lambda module, args, out: log_tensor(out, "lin")  # noqa: E731
+    for block in model.blocks:
+        block.lin.register_forward_hook(shared)
+    with torch.no_grad():
+        text = efx.capture(model, torch.randn(2, 4)).code()
+    assert text.strip().endswith(GOLDEN_SHARED_HOOK)
+    assert text.count("effectfx.ops.invoke_subgraph(block_forward_subgraph0, 'subgraph_0'") == 2
+
+
 def test_equal_hooks_share_a_body_and_different_ones_do_not() -> None:
     same, named = Stack(), Stack()
     shared = functools.partial(log_tensor, label="lin")  # one object for every layer

@@ -281,17 +281,19 @@ class TrainingProgram:
         # an input no output depends on gets no edge, as in eager's graph: its grad_fn (a backward hook's,
         # a tensor hook) must not run with an undefined gradient
         unreached = self._unreached()
-        if any(unreached):
+        if unreached is not None:
             aside = _Aside(unreached, inputs)
             return _RunTraining.apply(self, aside, *[t for t, u in zip(inputs, unreached) if not u])
         return _RunTraining.apply(self, None, *inputs)
 
-    def _unreached(self) -> tuple[bool, ...]:
-        """Per input: whether it requires grad but the backward gives it none (no output depends on it)."""
+    def _unreached(self) -> tuple[bool, ...] | None:
+        """Per input: whether it requires grad but the backward gives it none (no output depends on it);
+        None when every such input is reached (the usual program).  Found once, from the backward graph."""
         if not self._unreached_inputs:
             outs = next(reversed(self.backward.graph_module.graph.nodes)).args[0]
             graph_outs = iter(outs[len(self.backward.token_keys):])  # (the functionalized form's tokens)
-            self._unreached_inputs.append(tuple(m and next(graph_outs) is None for m in self.grad_mask))
+            found = tuple(m and next(graph_outs) is None for m in self.grad_mask)
+            self._unreached_inputs.append(found if any(found) else None)
         return self._unreached_inputs[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -20,9 +20,8 @@ import torch.nn.modules.module as torch_module
 
 from .reads import Ref, plain_value
 
-# the hook tables nn.Module's call reads, and the per-hook flags it looks up by hook id
+# the hook tables nn.Module's call reads
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-FLAG_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 _GLOBAL_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                  "_global_backward_hooks")
 _GLOBAL_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
@@ -92,13 +91,13 @@ def guard(obj: Any) -> tuple[tuple, tuple]:
     return ((("id", Ref(obj)), HOOKS), ("hooks", found))
 
 
-def hooks_of(value: Any, structural: bool = False) -> tuple | None:
+def hooks_of(value: Any) -> tuple | None:
     """What a guard on the hooks of ``value`` (a module, or :data:`GLOBAL`) reads; None for anything
     else."""
     if isinstance(value, torch.nn.Module):
-        return hook_key(value, structural)
+        return hook_key(value, structural=False)
     if value is GLOBAL:
-        return global_hook_key(structural)
+        return global_hook_key(structural=False)
     return None
 
 

@@ -127,16 +127,16 @@ def _diff_structure(label: str, a: tuple, b: tuple) -> list[str]:
             out.append(f"{where}: submodule {'added' if prefix not in ca else 'removed'}")
         elif ca[prefix] is not cb[prefix]:
             out.append(f"{where}: class {ca[prefix].__name__} -> {cb[prefix].__name__}")
-    if a[2:] != b[2:]:
-        ha, hb = dict(a[2][0]) if a[2:] and a[2] else {}, dict(b[2][0]) if b[2:] and b[2] else {}
-        for prefix in dict.fromkeys([*ha, *hb]):
-            if ha.get(prefix) != hb.get(prefix):
-                where = f"{label}.{prefix}" if prefix else label
-                before, after = _hooks_text(ha.get(prefix, ())), _hooks_text(hb.get(prefix, ()))
-                out.append(f"{where}: hooks {before} -> {after} (other functions, or other values they "
-                           "close over)")
-        if (a[2][1] if a[2:] and a[2] else ()) != (b[2][1] if b[2:] and b[2] else ()):
-            out.append(f"{label}: torch's global module hooks changed")
+    (ha, ga), (hb, gb) = a[2] or ((), ()), b[2] or ((), ())  # (per-submodule hooks, global hooks)
+    ha, hb = dict(ha), dict(hb)
+    for prefix in dict.fromkeys([*ha, *hb]):
+        if ha.get(prefix) != hb.get(prefix):
+            where = f"{label}.{prefix}" if prefix else label
+            before, after = _hooks_text(ha.get(prefix, ())), _hooks_text(hb.get(prefix, ()))
+            out.append(f"{where}: hooks {before} -> {after} (other functions, or other values they close "
+                       "over)")
+    if ga != gb:
+        out.append(f"{label}: torch's global module hooks changed")
     ta, tb = dict(a[1]), dict(b[1])
     for name in dict.fromkeys([*ta, *tb]):
         if name not in ta or name not in tb:
