@@ -246,14 +246,19 @@ def _functional(tracer: Any, func: Any, a: dict[str, Any]) -> Any:
     return written
 
 
+def parallel_wrapper_range(name: str) -> str | None:
+    """The parallel wrapper whose forward opens a ``record_function`` range of this name, else None."""
+    if name == "DistributedDataParallel.forward":
+        return "DistributedDataParallel"
+    return "fully_shard" if name.startswith("FSDP::") else None
+
+
 def _record_function(tracer: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     """``record_function`` scopes: DDP's and FSDP2's forward name themselves this way before any state
     changes, wherever in the captured code their module is called."""
-    name = str(args[0]) if args else ""
-    if name == "DistributedDataParallel.forward":
-        _refuse_wrapper("DistributedDataParallel")
-    if name.startswith("FSDP::"):
-        _refuse_wrapper("fully_shard")
+    wrapper = parallel_wrapper_range(str(args[0]) if args else "")
+    if wrapper is not None:
+        _refuse_wrapper(wrapper)
     return NotImplemented  # recorded (or not) as the tracer records any op
 
 

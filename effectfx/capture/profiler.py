@@ -28,6 +28,7 @@ import torch.autograd.profiler as autograd_profiler
 
 from ..effects import register_effect
 from ..regions.label import raw
+from .collectives import parallel_wrapper_range
 
 KEY = "profiler"
 _RUNNING = threading.local()  # .ranges: the handles of the ranges open on this thread, innermost last
@@ -68,14 +69,10 @@ _ORIGINAL = (autograd_profiler.record_function.__enter__, autograd_profiler.reco
 _INSTALLED = 0
 
 
-def _torchs_own(name: str) -> bool:
-    # the parallel wrappers name their forward so: torch's op, whose capture rule refuses them
-    return name == "DistributedDataParallel.forward" or name.startswith("FSDP::")
-
-
 def _enter(self: Any) -> Any:
     # (the name's raw value: effectfx's own look at a label is no use of it, the name stays an operand)
-    if not getattr(_CAPTURING, "depth", 0) or _torchs_own(raw(self.name)):
+    # DDP's and FSDP2's ranges keep torch's op, whose capture rule (collectives) refuses those wrappers
+    if not getattr(_CAPTURING, "depth", 0) or parallel_wrapper_range(raw(self.name)) is not None:
         return _ORIGINAL[0](self)
     self._efx_captured = True
     torch.ops.effectfx.range_enter(self.name)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..regions.reads import same_class
 from .callable import CompiledCallable
 
 
@@ -74,11 +75,6 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
         "_orig_mod": property(lambda self: model), "compiled": property(lambda self: compiled),
         "__module__": base.__module__, "__qualname__": base.__qualname__,
     }
-    cls = type(base.__name__, (base,), namespace)
-    # a base's __init_subclass__ may have changed the new class (transformers' checkpointing layers wrap
-    # forward): what it inherits is the model's class as it is
-    for name in set(vars(cls)) - set(namespace) - {"__doc__", "__dict__", "__weakref__"}:
-        delattr(cls, name)
-    module = object.__new__(cls)
+    module = object.__new__(same_class(base, namespace))
     module.__dict__ = model.__dict__  # one state for both: parameters, buffers, submodules, hooks, flags
     return module

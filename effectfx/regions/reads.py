@@ -194,6 +194,16 @@ def report_read(obj: Any, name: Any, value: Any, watch: bool = True) -> Any:
     return value
 
 
+def same_class(cls: type, namespace: dict[str, Any]) -> type:
+    """A subclass of ``cls`` with only ``namespace`` of its own, standing in for ``cls`` itself (a recording
+    subclass, a compiled module's class): what a base's ``__init_subclass__`` added to it is taken away
+    (transformers' checkpointing layers wrap ``forward`` again there), so it inherits everything as it is."""
+    sub = type(cls.__name__, (cls,), namespace)
+    for name in set(vars(sub)) - set(namespace) - {"__doc__", "__dict__", "__weakref__"}:
+        delattr(sub, name)
+    return sub
+
+
 def _watched_class(cls: type) -> type:
     with _CLASS_LOCK:
         sub = _WATCHED_CLASSES.get(cls)
@@ -227,12 +237,7 @@ def _watched_class(cls: type) -> type:
             namespace["__getattr__"] = __getattr__
         if "__slots__" in cls.__dict__:
             namespace["__slots__"] = ()
-        sub = type(cls.__name__, (cls,), namespace)
-        # a base's __init_subclass__ may have changed the new class (transformers' checkpointing layers wrap
-        # its forward): the recording subclass is the class itself, so it inherits everything as it was
-        for name in set(vars(sub)) - set(namespace) - {"__doc__", "__dict__", "__weakref__"}:
-            delattr(sub, name)
-        _WATCHED_CLASSES[cls] = sub
+        sub = _WATCHED_CLASSES[cls] = same_class(cls, namespace)
         return sub
 
 
