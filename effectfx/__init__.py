@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import ops
+from .capture.dynamic import mark_dynamic, mark_static
 from .drivers.callable import CompiledCallable
 from .drivers.capture import capture
 from .drivers.compile import compile
@@ -73,6 +74,6 @@ __all__ = [
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "EffectfxWarning",
     "UnfaithfulPrintWarning", "UnsupportedOperatorError", "UnsupportedParallelWrapperError", "capture",
     "compile",
-    "effect_of", "explain", "Explanation", "ops", "region", "register_effect",
+    "effect_of", "explain", "Explanation", "mark_dynamic", "mark_static", "ops", "region", "register_effect",
     "dead_code_elimination", "load", "remove_effect_tokens", "unlift_tokens", "verify",
 ]

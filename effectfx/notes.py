@@ -170,6 +170,40 @@ An input that requires grad is a leaf of the trace's autograd; user code gets a 
 caller's tensor is not a leaf, so in-place updates of intermediates differentiate as in eager.  Updating a
 leaf that requires grad is refused, as eager refuses it; so is updating an operand another operand aliases.
 
+Note [Symbolic shapes]
+~~~~~~~~~~~~~~~~~~~~~~
+A capture may take some sizes of its arguments as *symbols*: its fake tensors then come from a fake mode
+with torch's ``ShapeEnv`` (``torch.fx.experimental.symbolic_shapes``, what torch.compile and torch.export
+use), each chosen size a fresh symbol (0 and 1 specialize, with a guard, as in torch), and size arithmetic
+the code does in Python (``x.shape[1] * 2``, ``view(b, s, h, d)``, ``torch.arange(s)``) is a ``SymInt``
+the graph records as nodes, not a baked-in number.  The graph is then valid for every call whose sizes
+satisfy its *shape guards*: every fact the trace relied on (two sizes equal, a size >= 2, a stride), which
+the ShapeEnv produces over the program's tensor arguments (``InputSignature.shape_guards``, checked with
+its other signature before a run; kept by save/load).  Which sizes are symbols (``capture.dynamic``,
+``drivers.shapes``): ``efx.compile(fn, dynamic=None)`` captures static first and, when a call misses every
+program only in sizes, captures once more with every size of each tensor that changed as a symbol (a
+padded batch changes its length each step and its batch size at the last one); ``dynamic=True`` makes
+every size a symbol from the first call, ``dynamic=False`` none; ``mark_dynamic`` / ``mark_static`` (the
+marks ``torch._dynamo`` sets) and ``efx.capture(..., dynamic_shapes=...)`` (torch.export's spec) choose
+per tensor.  A call whose exact signature has no program runs a symbolic program whose guards hold, and is
+remembered for that signature: the next such call is one lookup.
+
+*Sizes are read, never passed.*  A graph's interface stays what the other Notes say -- tensors, labels and
+tokens -- because every graph reads each symbol it needs from a dimension of one of its own tensor inputs
+(``aten.sym_size.int(x, d)``; ``graph.symbols.Sizes``, which evaluates an expression with torch's
+``sympy_interp`` over those nodes).  A region body's operands have the caller's symbolic metadata, so its
+key (Note [Region identity]) holds their *expressions*: one body per distinct layer serves every length,
+and it reads ``s`` from its own operands.  A backward graph reads sizes from its saved tensors and
+gradients; when none has the one it needs (``sum``'s backward expands to the input's size), the forward
+input that has it is saved for it -- never a size.  A body whose operands carry a size only inside a
+larger expression (``2*s``) while its code needs ``s`` itself is refused with a ``CaptureError``.
+
+Metadata compare by expression (``TensorMeta``), never by asking a symbol, which would add a guard.  An
+op whose fake implementation pins a symbol to the example's value (``constant_pad_nd``'s C++ kernel reads
+its sizes as ints) gets one that keeps it symbolic (``capture.fakes``); any other that pins one is named
+by ``efx.explain`` ("specialized"), with the shape guards and the symbolic inputs.  A size given to an
+effect op (an ``int`` argument) is a node like any other: the effect receives each call's real value.
+
 Note [Higher-order ops]
 ~~~~~~~~~~~~~~~~~~~~~~~
 A higher-order op (HOP) of effectfx's graphs is a target that runs subgraphs its calling graph holds as

@@ -3,6 +3,8 @@ same for every cached program of an ``efx.compile``d callable."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 import effectfx as efx
@@ -177,7 +179,12 @@ def test_explain_compiled_callable() -> None:
     assert len(e.programs) == 3
     first, second, third = e.programs
     assert first.why == "first call"
-    assert second.why == "x: shape [3] -> [5] (vs signature 1)"
+    # a call that differs only in sizes captures them symbolic (Note [Symbolic shapes])
+    assert second.why == ("x: shape [3] -> [5] (vs signature 1); symbolic sizes (automatic dynamic: sizes "
+                          "changed)")
+    assert len(second.symbolic) == 1 and re.fullmatch(r"x float32\[s\d+\]", second.symbolic[0])
+    assert "2 <= x.size()[0]" in second.shape_guards
+    assert first.symbolic == () and first.shape_guards == ()
     assert third.why == "x: requires_grad False -> True (vs signature 2)"
     assert third.training and not first.training
     # inside each program, bodies are explained as for a capture

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..errors import CaptureError
 from ..graph.build import Graph, graph_module, node_name
+from ..graph.symbols import Sizes, expr_of, is_symbolic
 from ..graph.walk import effectful_nodes
 
 
@@ -75,6 +77,29 @@ def without_gradients(backward: fx.GraphModule, keep: tuple[bool, ...]) -> fx.Gr
     return module
 
 
+def _size_inputs(sizes: list[fx.Node], available: list[fx.Node], inputs: list[fx.Node]) -> set[fx.Node]:
+    """The forward inputs the backward must also be given to read ``sizes`` from (a ``sum``'s backward
+    saves no tensor, yet expands its gradient to the input's size)."""
+    have: set = set()
+    for node in available:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            have.update(expr_of(d) for d in val.shape if type(d) is not int)
+    table = Sizes(Graph())
+    for node in inputs:
+        table.add_input(node, node.meta.get("val"))
+    extra = set()
+    for node in sizes:
+        for symbol in expr_of(node.meta["val"]).free_symbols - have:
+            where = table.source(symbol)
+            if where is None:
+                raise CaptureError(f"the backward needs the size {symbol}, which no input of the forward has "
+                                   "as a dimension (Note [Symbolic shapes]); compile with dynamic=False.")
+            extra.add(where[0])
+            have.update(expr_of(d) for d in where[0].meta["val"].shape if type(d) is not int)
+    return extra
+
+
 def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = False) -> Partition:
     nodes = list(joint.graph.nodes)
     output = nodes[-1]
@@ -89,6 +114,13 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
     # a module attribute (a subgraph, a constant) a backward node reads is fetched again by the backward
     # graph, not saved: a gradient the captured code takes itself makes the forward fetch a backward subgraph
     attrs = {i for i in read if i.op == "get_attr"}
+    tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
+    # sizes are never saved: the backward reads them from its own inputs (Note [Symbolic shapes])
+    sizes = [n for n in nodes if n in read and is_symbolic(n.meta.get("val"))]
+    read.difference_update(sizes)
+    if sizes:
+        read.update(_size_inputs(sizes, [n for n in nodes if n in read] + tangents,
+                                 [n for n in nodes if n.op == "placeholder" and n in forward]))
     saved = [n for n in nodes if n in read and n not in attrs]
     live_fwd = _live(outs + saved + [n for n in effectful if n in forward], forward)
 
@@ -99,8 +131,14 @@ def partition_joint(joint: fx.GraphModule, n_outs: int, pass_inputs: bool = Fals
         ph.meta.update(node.meta)  # (assigning meta costs FX a lookup-table update)
         ph.meta["phase"] = "backward"
         benv[node] = ph
-    tangents = [n for n in nodes if n.op == "placeholder" and n.meta.get("tangent")]
-    _copy(bwd_graph, [n for n in nodes if n in live_bwd or n in tangents or n in attrs], benv)
+    _copy(bwd_graph, tangents, benv)
+    if sizes:
+        table = Sizes(bwd_graph, {"phase": "backward"})
+        for node in (*saved, *tangents):
+            table.add_input(benv[node], node.meta.get("val"))
+        for node in sizes:
+            benv[node] = table.node(node.meta["val"])
+    _copy(bwd_graph, [n for n in nodes if (n in live_bwd or n in attrs) and n not in benv], benv)
     bwd_graph.output(tuple(benv[g] if g is not None else None for g in grads))
     bwd = graph_module(joint, bwd_graph, "Backward")
 

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..graph.symbols import SYM_TYPES, has_symbols
+
 aten = torch.ops.aten
 
 LIMIT = 1024  # elements: a constant bigger than this is data, not a size or a flag
@@ -81,8 +83,11 @@ class Constants:
                     if self._twin(a) is None:
                         return False
                 elif isinstance(a, (list, tuple)):
-                    if any(isinstance(b, torch.Tensor) and self._twin(b) is None for b in a):
-                        return False
+                    for b in a:
+                        if isinstance(b, SYM_TYPES) or isinstance(b, torch.Tensor) and self._twin(b) is None:
+                            return False
+                elif isinstance(a, SYM_TYPES):  # a symbolic size: no value (Note [Symbolic shapes])
+                    return False
         return True
 
     def _real(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
@@ -124,7 +129,8 @@ class Constants:
                 or func.namespace != "aten"):
             return None
         fakes = _tensors(out)
-        if not (fakes or written) or any(t.device != _CPU or t.numel() > LIMIT for t in (*fakes, *written)):
+        if not (fakes or written) or any(t.device != _CPU or has_symbols(t.shape) or t.numel() > LIMIT
+                                         for t in (*fakes, *written)):
             return None
         try:
             result, inputs = self._real(func, args, kwargs)

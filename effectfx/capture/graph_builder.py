@@ -10,7 +10,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..errors import CaptureError
 from ..graph.build import Graph, graph_module, node_name
+from ..graph.symbols import SYM_TYPES, MissingSize, Sizes
 
 # argument values FX writes into generated code as literals; anything else (a torchbind object, a
 # ProcessGroup, a Generator) would be written as its repr -- ``<torch.ScriptObject object at 0x..>``, a
@@ -66,6 +68,7 @@ class GraphBuilder:
         self.holder = torch.nn.Module()
         self._placeholders_end: fx.Node | None = None
         self._input_names: set[str] = set()
+        self.sizes = Sizes(self.graph)  # its symbolic sizes, read from its inputs (Note [Symbolic shapes])
 
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         self.values[id(tensor)] = node
@@ -79,7 +82,23 @@ class GraphBuilder:
                 node = self.lift(value)
                 self.bind(value, node)
             return node
+        if isinstance(value, SYM_TYPES):
+            return self.size(value)
         return value
+
+    def size(self, value: Any) -> Any:
+        """The node of a symbolic size in this graph (or its constant): Note [Symbolic shapes]."""
+        self.sizes.stamp["phase"] = self.phase
+        try:
+            return self.sizes.node(value)
+        except MissingSize as missing:
+            raise CaptureError(
+                f"the graph {self.name!r} uses the size {missing.symbol} (as {value}), which none of its "
+                "tensor inputs has as a dimension (a region whose operands' sizes are sums or products of "
+                "the sizes it computes with?): effectfx reads every size of a graph from its inputs "
+                "(Note [Symbolic shapes]). Pass a tensor with that size to the region, or compile with "
+                "dynamic=False."
+            ) from None
 
     def placeholder(self, name: str, value: Any) -> fx.Node:
         # a placeholder's target is its parameter name in the generated code: it must be unique
@@ -99,6 +118,7 @@ class GraphBuilder:
         node.meta["phase"] = self.phase
         if isinstance(value, torch.Tensor):
             self.bind(value, node)
+            self.sizes.add_input(node, value)
         return node
 
     def describe_input(self, node: fx.Node) -> str:
@@ -128,6 +148,8 @@ class GraphBuilder:
     def _constant_or_literal(self, value: Any) -> Any:
         if not _opaque(value):
             return value
+        if isinstance(value, SYM_TYPES):
+            return self.size(value)
         node = self.constants.get(id(value))
         if node is None:
             # torch.export's name for torchbind objects; kept alive by the holder, shared by every use

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -35,6 +36,7 @@ from .arguments import map_structure
 from .collectives import COLLECTIVE_NAMESPACES, record_collective
 from .composite import CompositeEffects
 from .constants import UNKNOWN, Constants
+from .fakes import SYMBOLIC_FAKES, fake_maker, symbolic_context
 from .graph_builder import GraphBuilder
 from .mutation import AUTO_FUNCTIONALIZED, Mutation, by_name, mutation_of, returns_written
 
@@ -69,36 +71,22 @@ _DATA_DEPENDENT = {
 }
 
 
-def _fake_maker(mode: FakeTensorMode, device: torch.device) -> Callable[[torch.Tensor, bool], torch.Tensor]:
-    """A constructor of fakes on ``device``: what ``FakeTensor(mode, storage, device)`` builds, at a third of
-    its cost (a capture makes a fake per op output and per region call site result).  The attribute
-    state is copied from a fake made by FakeTensor's own constructor, so it is whatever torch sets."""
-    template = FakeTensor(mode, torch.empty(0, device="meta"), device)
-    if FakeTensorConfig.debug:  # the debug state is per tensor (a traceback): take the slow path
-        return lambda storage, grad: FakeTensor(mode, storage, device).requires_grad_(grad)
-    state, backend_device = dict(template.__dict__), template.fake_device
-    guard = (torch._C._set_warn_deprecated_on_mutable_data_ptr if mode._allow_unsafe_data_ptr_access
-             else torch._C._set_throw_on_mutable_data_ptr)
-
-    def make(storage: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        t = torch.Tensor._make_subclass(FakeTensor, storage, requires_grad, dispatch_device=True,
-                                        device_for_backend_keys=backend_device)
-        guard(t)
-        t.__dict__.update(state)
-        return t
-
-    return make
-
-
 class Tracer(TorchDispatchMode):
     """Records every aten op into the innermost :class:`GraphBuilder` on ``self.builders``.
 
     ``call_region(tracer, region, args, kwargs)`` is what a region's call does during the capture
     (``effectfx.capture.region_call``, handed over by the driver that makes the tracer)."""
 
-    def __init__(self, call_region: Callable[..., Any]) -> None:
+    def __init__(self, call_region: Callable[..., Any], symbolic: bool = False) -> None:
         super().__init__()
-        self.fake_mode = FakeTensorMode()
+        # symbolic sizes (Note [Symbolic shapes]): a ShapeEnv that never makes a size from data (nonzero,
+        # item: refused as in a static capture)
+        self.shape_env = ShapeEnv(allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False,
+                                  specialize_zero_one=True) if symbolic else None
+        self.fake_mode = FakeTensorMode(shape_env=self.shape_env)
+        if symbolic:  # its cache entries cost more symbolic arithmetic than the ops they spare
+            self.fake_mode.cache_enabled = False
+        self.specialized: list[str] = []  # ops that pinned a symbol to a number (Note [Symbolic shapes])
         self.builders: list[GraphBuilder] = []
         self.region_stack: list[Any] = []
         self.real_of: dict[int, torch.Tensor] = {}  # id(fake) -> real tensor it stands for
@@ -146,6 +134,20 @@ class Tracer(TorchDispatchMode):
             self.keepalive.append(value)
         return fake
 
+    def symbolic_fake(self, value: torch.Tensor, dynamic: frozenset[int], name: str) -> torch.Tensor:
+        """The fake of a captured function's argument, with the sizes ``dynamic`` names as fresh symbols
+        (0 and 1 specialize, with a guard, as torch.compile's do): before the trace runs."""
+        fake = self.fake_of.get(id(value))
+        if fake is not None:
+            return fake
+        context, source = symbolic_context(value, dynamic, name)
+        fake = self.fake_mode.from_tensor(value.detach(), symbolic_context=context, source=source)
+        fake.requires_grad_(value.requires_grad)
+        self.fake_of[id(value)] = fake
+        self.real_of[id(fake)] = value
+        self.keepalive.append(value)
+        return fake
+
     def new_fake(self, meta: TensorMeta, requires_grad: bool | None = None) -> torch.Tensor:
         """A fresh fake tensor with the given TensorMeta (``requires_grad`` overriding its flag), created
         without recording anything."""
@@ -155,7 +157,7 @@ class Tracer(TorchDispatchMode):
             storage = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
         make = self._fake_makers.get(meta.device)
         if make is None:
-            make = self._fake_makers[meta.device] = _fake_maker(self.fake_mode, meta.device)
+            make = self._fake_makers[meta.device] = fake_maker(self.fake_mode, meta.device)
         return make(storage, meta.requires_grad if requires_grad is None else requires_grad)
 
     @contextlib.contextmanager
@@ -358,6 +360,8 @@ class Tracer(TorchDispatchMode):
 
     def _run_fake(self, func: Any, args: tuple, kwargs: dict, key: str | None) -> Any:
         try:
+            if self.shape_env is not None:
+                return self._run_symbolic(func, args, kwargs)
             return func(*args, **kwargs)
         except EffectfxError:
             raise
@@ -386,6 +390,18 @@ class Tracer(TorchDispatchMode):
                 f"effectfx could not trace {func} in {self.where()} at {user_location()}: "
                 f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
             ) from exc
+
+    def _run_symbolic(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` on fakes with symbolic sizes; a symbol it pins to a number is noted (for efx.explain)."""
+        replacements = self.shape_env.replacements
+        before = len(replacements)
+        fake = SYMBOLIC_FAKES.get(func)
+        out = fake(*args, **kwargs) if fake is not None else func(*args, **kwargs)
+        if len(replacements) != before:
+            pinned = [f"{s} = {v}" for s, v in list(replacements.items())[before:] if v.is_number]
+            if pinned:
+                self.specialized.append(f"{func} at {user_location()} made {', '.join(pinned)}")
+        return out
 
     def _bind_outputs(self, out: Any, node: fx.Node) -> None:
         builder = self.builder

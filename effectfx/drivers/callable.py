@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..capture.dynamic import Dynamic
 from ..errors import BackendError, UnsupportedOperatorError
 from ..graph.meta import TensorMeta
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
@@ -34,6 +35,7 @@ from ..regions.identity import ambient, failed_guards, leaf_key, object_guards, 
 from ..regions.reads import plain_value
 from ..regions.words import guard_text
 from .capture import trace_program
+from .shapes import ShapeCache, erased
 
 
 def lower_to_inductor(prog: Program) -> Program:
@@ -111,6 +113,7 @@ class CompiledEntry:
     compile_seconds: float
     guards: tuple = ()  # the capture's reads, by identity: checked before each run
     why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
+    why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
 
     def __post_init__(self) -> None:
         self.checks = object_guards(self.guards)  # the same guards, split for the hot path
@@ -173,13 +176,18 @@ class CompileStats:
 class CompiledCallable:
     """What :func:`compile` returns; call it like the original function or module."""
 
-    def __init__(self, fn: Callable[..., Any], backend: str = "eager", profile_regions: bool = False) -> None:
+    def __init__(self, fn: Callable[..., Any], backend: str = "eager", profile_regions: bool = False,
+                 dynamic: bool | None = None) -> None:
         if backend not in BACKEND_PASSES:
             raise BackendError(f"unknown backend {backend!r}; choose one of {sorted(BACKEND_PASSES)}.")
+        if dynamic not in (None, True, False):
+            raise BackendError(f"dynamic must be None (automatic), True or False, not {dynamic!r}.")
         self.fn = fn
         self.backend = backend
         self.profile_regions = profile_regions
+        self.dynamic = dynamic
         self.cache: dict[Any, list[CompiledEntry]] = {}
+        self.shapes = ShapeCache(dynamic)  # the same programs by signature without sizes
         self.stats = CompileStats()
         self._lock = threading.Lock()
         module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
@@ -207,6 +215,7 @@ class CompiledCallable:
         if self._walked and not all(d.get(n) is c for d, n, c in self._children):
             with self._lock:
                 self.cache.clear()
+                self.shapes.clear()
                 self._walked, self._slots = False, {}
         if not self._walked:  # walking the module tree on every call would cost more than eager
             subs = list(self._module.modules())
@@ -252,7 +261,12 @@ class CompiledCallable:
         return (ambient(), spec, *parts, self._python_state(), _same_tensors(leaves)), leaves
 
     def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
-        for entry in self.cache.get(key, ()):
+        found = self._usable(self.cache.get(key, ()))
+        memo = self.shapes.memo
+        return found if found is not None or not memo else self._usable(memo.get(key, ()))
+
+    def _usable(self, entries: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
+        for entry in entries:
             if object_guards_hold(*entry.checks):
                 lifted = entry.current_lifted()
                 if lifted is not None:
@@ -267,12 +281,18 @@ class CompiledCallable:
         if found is None:
             with self._lock:  # one thread compiles a signature; the others wait for it
                 found = self._find(key)
+                group = erased(key, leaves) if found is None else None
+                if found is None:  # a symbolic program whose guards hold serves it (Note [Symbolic shapes])
+                    found = self._usable(self.shapes.symbolic(group, leaves))
+                    if found is not None:
+                        self.shapes.remember(key, found[0])
                 if found is None:
                     names = self._object_names()
                     why = [guard_text(path, expect, got, names) for e in self.cache.get(key, ())
                            for path, expect, got in failed_guards(e.guards, ())]
+                    dims, why_dynamic = self.shapes.dims_for(group, leaves)
                     try:
-                        entry = self._compile(args, kwargs)
+                        entry = self._compile(args, kwargs, dims)
                     except RuntimeError as e:  # torch.func refused an autograd.Function: a region's call
                         if vmap and _raised_in_autograd_function(e):
                             raise self._torch_func_refusal("Vmap", _READS_GRAD) from e
@@ -282,15 +302,17 @@ class CompiledCallable:
                     self.stats.compiles += 1
                     self.stats.compile_seconds.append(entry.compile_seconds)
                     entry.why = tuple(why)
+                    entry.why_dynamic = why_dynamic if dims else ""
                     self.cache.setdefault(key, []).append(entry)
+                    self.shapes.add(group, entry)
                     return entry, leaves, list(entry.forward.lifted)
         if vmap and isinstance(found[0].program, TrainingProgram):
             raise self._torch_func_refusal("Vmap", _READS_GRAD)
         return found[0], leaves, found[1]
 
-    def _compile(self, args: tuple, kwargs: dict) -> CompiledEntry:
+    def _compile(self, args: tuple, kwargs: dict, dynamic: Dynamic | None = None) -> CompiledEntry:
         start = time.perf_counter()
-        traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions)
+        traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions, dynamic=dynamic)
         program = run_passes(traced, BACKEND_PASSES[self.backend])
         forward = program.forward if isinstance(program, TrainingProgram) else program
         seconds = time.perf_counter() - start
@@ -346,7 +368,7 @@ class CompiledCallable:
 
     # -- inspection ------------------------------------------------------------------------------
     def programs(self) -> list[Program | TrainingProgram]:
-        return [e.program for entries in self.cache.values() for e in entries]
+        return [e.program for entries in self.cache.values() for e in entries]  # (each once: memo apart)
 
     def __repr__(self) -> str:
         return f"<effectfx.compile of {getattr(self.fn, '__name__', type(self.fn).__name__)}: " \

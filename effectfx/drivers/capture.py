@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import hops  # noqa: F401  (installs the capture rules of the higher-order ops)
 from ..capture.arguments import check_containers_unchanged, leaf_names
 from ..capture.collectives import refuse_parallel_wrappers
+from ..capture.dynamic import Dynamic, dynamic_dims
 from ..capture.dynamo_frames import frames_forgotten
 from ..capture.profiler import capture_ranges, profiled
 from ..capture.python_print import capture_prints
@@ -73,15 +74,20 @@ def _regions_of(gm: fx.GraphModule, tracer: Tracer) -> dict[str, RegionEntry]:
 
 def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
                   grad_outputs: tuple[bool, ...] | None = None,
-                  profile_regions: bool = False) -> Program | TrainingProgram:
+                  profile_regions: bool = False, dynamic: Dynamic | None = None) -> Program | TrainingProgram:
     """Trace ``fn(*args, **kwargs)`` into the captured form (1); joint + partitioned under autograd, the
     backward for the differentiable outputs ``grad_outputs`` selects (all by default).  With
-    ``profile_regions``, every region call opens a profiler range of its own (``capture.profiler``)."""
+    ``profile_regions``, every region call opens a profiler range of its own (``capture.profiler``).
+    ``dynamic`` maps a tensor leaf's index to the dimensions whose sizes are symbols (Note [Symbolic
+    shapes]); the others, and every leaf it does not name, are static."""
     start = time.perf_counter()
-    tracer = Tracer(profiled(call_region) if profile_regions else call_region)
+    dynamic = {i: dims for i, dims in (dynamic or {}).items() if dims}
+    tracer = Tracer(profiled(call_region) if profile_regions else call_region, symbolic=bool(dynamic))
     leaves, spec = tree_flatten((args, kwargs))
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     names = leaf_names(target, args, kwargs)
+    for i, dims in dynamic.items():
+        tracer.symbolic_fake(leaves[i], dims, names[i])
     scope = Scope(tracer, "root", param_names=_param_names(fn))
     # the root's reads: guards of a compiled program, by identity (Note [Region identity])
     reads = Reads(tracer.watcher, structural=False)
@@ -121,6 +127,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         spec, tensor_meta,
         tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)),
         aliases=alias_pattern(leaves, tensor_meta), views=alias_pattern(leaves, tensor_meta, bases=True),
+        shape_guards=shape_guards(tracer, [tracer.fake_of[id(leaves[i])] for i, _ in tensor_meta]),
     )
     lifted = tuple(s.tensor for s in traced.sources[n_user:])
     record = (PassRecord("capture", time.perf_counter() - start),)
@@ -131,6 +138,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
         bodies=bodies, guards=(*reads.guards.items(), *hook_guards), mutations=traced.mutated,
         lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
+        specialized=tuple(tracer.specialized),
     )
     if traced.backward is None:
         return forward
@@ -152,7 +160,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     def retrace(live: tuple[bool, ...]) -> TrainingProgram:
         with ambient_state:
             args, kwargs = tree_unflatten(stand_ins(signature, others, grads), spec)
-            prog = trace_program(fn, args, kwargs, grad_outputs=live, profile_regions=profile_regions)
+            prog = trace_program(fn, args, kwargs, grad_outputs=live, profile_regions=profile_regions,
+                                 dynamic=dynamic)
         assert isinstance(prog, TrainingProgram)
         return prog  # the caller checks it ran the same forward (TrainingProgram.partial_backward)
 
@@ -210,6 +219,7 @@ def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tup
         if same != index:
             new[index] = new[same]
             continue
+        meta = meta.example()
         t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
         requires_grad, is_leaf = grads[index]
         if requires_grad:
@@ -221,11 +231,27 @@ def stand_ins(signature: InputSignature, others: list[Any], grads: dict[int, tup
     return new
 
 
+def shape_guards(tracer: Tracer, fakes: list[torch.Tensor]) -> tuple[str, ...]:
+    """What a symbolic program's trace assumed of its arguments' sizes and strides, as Python expressions
+    over ``L['t<k>']`` (the k-th tensor argument): torch's ShapeEnv guards (Note [Symbolic shapes])."""
+    if tracer.shape_env is None:
+        return ()
+    return tuple(tracer.shape_env.produce_guards(fakes, [_local(k) for k in range(len(fakes))],
+                                                 ignore_static=False))
+
+
+def _local(k: int) -> Any:
+    from torch._dynamo.source import LocalSource  # (a symbolic capture has imported it already)
+
+    return LocalSource(f"t{k}")
+
+
 def capture(fn: Callable[..., Any], *args: Any, functionalize: bool = True,
-            **kwargs: Any) -> Program | TrainingProgram:
+            dynamic_shapes: Any = None, **kwargs: Any) -> Program | TrainingProgram:
     """Capture ``fn(*args, **kwargs)``: the functionalized form, or the captured form if
-    ``functionalize=False``.  Returns a TrainingProgram when outputs require grad."""
-    prog = trace_program(fn, args, kwargs)
+    ``functionalize=False``.  Returns a TrainingProgram when outputs require grad.  ``dynamic_shapes``
+    says which sizes are symbolic, as ``torch.export`` spells it (Note [Symbolic shapes])."""
+    prog = trace_program(fn, args, kwargs, dynamic=dynamic_dims(fn, args, kwargs, dynamic_shapes))
     if not functionalize:
         return prog
     return run_passes(prog, [thread_tokens])

@@ -14,28 +14,31 @@ from .callable import CompiledCallable
 
 
 def compile(fn: Callable[..., Any], *, backend: str = "eager",  # noqa: A001
-            profile_regions: bool = False) -> Any:
+            profile_regions: bool = False, dynamic: bool | None = None) -> Any:
     """Compile ``fn``: autograd, caching per signature, effects in order.  A function gives a
     :class:`CompiledCallable`; an ``nn.Module`` gives its compiled module (:func:`compiled_module`), which
     is the model for every purpose but the call.  ``profile_regions=True`` opens a profiler range
-    ``region:<name>`` around every region call."""
+    ``region:<name>`` around every region call.  ``dynamic`` (Note [Symbolic shapes]): None captures
+    static first and makes the sizes that change between calls symbolic; True makes every size symbolic
+    from the first call; False captures each new size anew."""
     if isinstance(fn, torch.nn.Module):
-        return compiled_module(fn, backend=backend, profile_regions=profile_regions)
-    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions)
+        return compiled_module(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
+    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
 
 
 # -- the compiled module ----------------------------------------------------------------------------------
 # What a compiled module forwards to its CompiledCallable when the model itself has no such attribute.
 _CALLABLE_API = frozenset({"programs", "stats", "cache", "backend", "profile_regions", "entry_for",
-                           "signature"})
+                           "signature", "dynamic"})
 
 
-def _rebuild(model: torch.nn.Module, backend: str, profile_regions: bool) -> torch.nn.Module:
-    return compiled_module(model, backend=backend, profile_regions=profile_regions)
+def _rebuild(model: torch.nn.Module, backend: str, profile_regions: bool,
+             dynamic: bool | None = None) -> torch.nn.Module:
+    return compiled_module(model, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
 
 
 def compiled_module(model: torch.nn.Module, backend: str = "eager",
-                    profile_regions: bool = False) -> torch.nn.Module:
+                    profile_regions: bool = False, dynamic: bool | None = None) -> torch.nn.Module:
     """``efx.compile(model)``: an ``nn.Module`` that is the model for every purpose but the call.
 
     It is an instance of a subclass of the model's own class made for it, whose instance state *is* the
@@ -50,7 +53,8 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
     copies the model and compiles the copy; pickling (``torch.save``) stores the model and compiles it
     again when loaded."""
     base = type(model)
-    compiled = CompiledCallable(model.forward, backend=backend, profile_regions=profile_regions)
+    compiled = CompiledCallable(model.forward, backend=backend, profile_regions=profile_regions,
+                                dynamic=dynamic)
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return compiled(*args, **kwargs)
@@ -64,13 +68,13 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
             raise
 
     def reduce(self: Any, protocol: Any = None) -> tuple:
-        return (_rebuild, (model, backend, profile_regions))
+        return (_rebuild, (model, backend, profile_regions, dynamic))
 
     namespace = {
         "forward": forward, "__getattr__": getattr_, "__reduce__": reduce, "__reduce_ex__": reduce,
         "__repr__": lambda self: f"{base.__repr__(self)}  # {compiled!r}",
         "__deepcopy__": lambda self, memo: compiled_module(copy.deepcopy(model, memo), backend,
-                                                           profile_regions),
+                                                           profile_regions, dynamic),
         "original": property(lambda self: model, doc="the model this compiled module runs"),
         "_orig_mod": property(lambda self: model), "compiled": property(lambda self: compiled),
         "__module__": base.__module__, "__qualname__": base.__qualname__,

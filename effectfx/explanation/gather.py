@@ -191,12 +191,27 @@ def _program_report(prog: Program | TrainingProgram, title: str, fn: Any, why: s
         for record in p.history[shared:]:
             stages.append(Stage(record.name, record.seconds, half if len(halves) == 2 else ""))
     first = halves[0][1]
+    symbolic, guards = _shapes(first, fn)
     return ProgramReport(
         title=title, training=isinstance(prog, TrainingProgram), form=first.form,
         inputs=_describe_inputs(first, fn), token_keys=tuple(first.token_keys),
         regions=_body_reports(prog, sizes), graphs=tuple(graphs), stages=tuple(stages), why=why,
         why_differences=tuple(why_differences), compile_seconds=compile_seconds,
+        symbolic=symbolic, shape_guards=guards, specialized=first.specialized,
     )
+
+
+def _shapes(prog: Program, fn: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The inputs with symbolic sizes, and the shape guards spelled with the inputs' names."""
+    sig = prog.signature
+    try:
+        names = _leaf_names(fn, sig.spec, sig.spec.num_leaves)
+    except Exception:  # noqa: BLE001 - names are a nicety
+        names = [f"arg{i}" for i in range(sig.spec.num_leaves)]
+    tensor_names = [names[i] if i < len(names) else f"arg{i}" for i, _ in sig.tensor_meta]
+    symbolic = tuple(f"{name} {m.short()}" for name, (_, m) in zip(tensor_names, sig.tensor_meta)
+                     if m.symbolic)
+    return symbolic, tuple(sig.guard_text(g, tensor_names) for g in sig.shape_guards)
 
 
 def _signature_labels(cc: CompiledCallable, entry: CompiledEntry) -> tuple[str, ...]:
@@ -241,6 +256,8 @@ def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
                 diffs = ["a tensor the function reads by identity (a parameter or global) changed "
                          "requires_grad"]
             why = "; ".join(diffs) + f" (vs signature {other_n})"
+        if entry.why_dynamic:
+            why = f"{why}; symbolic sizes ({entry.why_dynamic})"
         done.append((key, entry, labels))
         reports.append(_program_report(entry.program, f"{name}, signature {n} of {len(entries)}", cc.fn, why,
                                        diffs, entry.compile_seconds))

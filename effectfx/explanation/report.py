@@ -93,6 +93,10 @@ class ProgramReport:
     why: str | None = None  # compiled callables: why this signature was compiled
     why_differences: tuple[str, ...] = ()
     compile_seconds: float | None = None
+    # Note [Symbolic shapes]: the inputs with symbolic sizes, the guards on them, the ops that pinned one
+    symbolic: tuple[str, ...] = ()
+    shape_guards: tuple[str, ...] = ()
+    specialized: tuple[str, ...] = ()
 
     @property
     def bodies(self) -> tuple[BodyReport, ...]:
@@ -210,6 +214,11 @@ def _render_program(p: ProgramReport, lines: list[str], indent: str = "") -> Non
     if p.compile_seconds is not None:
         lines.append(f"{indent}  compiled in {_ms(p.compile_seconds)}; why: {p.why}")
     lines.append(f"{indent}  inputs: {p.inputs}")
+    if p.symbolic:
+        lines.append(f"{indent}  symbolic sizes: {', '.join(p.symbolic)}")
+        lines.append(f"{indent}  shape guards: {' and '.join(p.shape_guards) or '(none)'}")
+    for text in p.specialized:
+        lines.append(f"{indent}  specialized: {text}")
     if p.token_keys:
         lines.append(f"{indent}  tokens at the root: {', '.join(p.token_keys)}")
     _render_regions(p, lines, indent)

@@ -10,17 +10,42 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
 from ..errors import CaptureError
+from .symbols import dims, hint
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorMeta:
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    """A tensor's metadata.  Sizes and strides may be symbolic (``SymInt``: Note [Symbolic shapes]);
+    metadata compare and hash by their expressions, never by asking the symbols (which would guard)."""
+
+    shape: tuple[Any, ...]
+    stride: tuple[Any, ...]
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+
+    def _fields(self) -> tuple:
+        return (dims(self.shape), dims(self.stride), self.dtype, self.device, self.requires_grad)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorMeta) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether a size or stride is not a plain int: a symbol, or its expression in a loaded program."""
+        return any(type(d) is not int for d in (*self.shape, *self.stride))
+
+    def example(self) -> TensorMeta:
+        """The metadata with each symbolic size as it was in the captured call."""
+        if not self.symbolic:
+            return self
+        return TensorMeta(tuple(map(hint, self.shape)), tuple(map(hint, self.stride)), self.dtype,
+                          self.device, self.requires_grad)
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
@@ -40,7 +65,7 @@ class TensorMeta:
         stride, step = [], 1
         for size in reversed(self.shape):
             stride.insert(0, step)
-            step *= max(size, 1)
+            step *= max(size, 1) if type(size) is int else size  # (a symbol is >= 2: it never is 0 or 1)
         return TensorMeta(self.shape, tuple(stride), self.dtype, self.device, False)
 
     def short(self) -> str:
@@ -48,8 +73,8 @@ class TensorMeta:
         contiguous, step = [], 1
         for size in reversed(self.shape):
             contiguous.insert(0, step)
-            step *= max(size, 1)
-        layout = "" if tuple(contiguous) == self.stride else f" stride {list(self.stride)}"
+            step *= max(size, 1) if type(size) is int else size
+        layout = "" if dims(contiguous) == dims(self.stride) else f" stride {list(self.stride)}"
         return f"{dt}{list(self.shape)}{layout}" + ("(grad)" if self.requires_grad else "")
 
 

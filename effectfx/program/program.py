@@ -48,6 +48,7 @@ class Program:
     # per lifted tensor: (object, attribute or ("item", key)) the capture read it from, or None: where a
     # compiled program reads it again at each call (not saved: live objects, like the guards)
     lifted_from: tuple = ()
+    specialized: tuple[str, ...] = ()  # ops that pinned a symbolic size to a number (Note [Symbolic shapes])
 
     # -- inspection ------------------------------------------------------------------------------
     @property

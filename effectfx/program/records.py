@@ -3,7 +3,8 @@ body came to be (for ``efx.explain``) and the passes that made it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..errors import SignatureMismatchError
 from ..graph.meta import TensorMeta
+from ..graph.symbols import ShapeGuards
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,20 @@ class InputSignature:
     # leaf that is the same tensor (() when all differ); a call must pass the same pattern
     aliases: tuple[int, ...] = ()
     views: tuple[int, ...] = ()  # the same for views of one tensor (by ``_base``), which updates cross
+    # a symbolic program's guards on its tensors' sizes (Note [Symbolic shapes]); () when static
+    shape_guards: tuple[str, ...] = ()
+    checks: ShapeGuards | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.shape_guards and self.checks is None:
+            object.__setattr__(self, "checks", ShapeGuards(self.shape_guards))
+
+    def guard_text(self, guard: str, names: list[str] | None = None) -> str:
+        """A guard with ``L['t<k>']`` spelled as the k-th tensor argument's name (or ``input k``)."""
+        def name(match: re.Match) -> str:
+            k = int(match.group(1))
+            return names[k] if names is not None and k < len(names) else f"input{self.tensor_meta[k][0]}"
+        return re.sub(r"L\['t(\d+)'\]", name, guard)
 
     def bind(self, args: tuple, kwargs: dict, name: str) -> list[torch.Tensor]:
         leaves, spec = tree_flatten((args, kwargs))
@@ -36,8 +52,7 @@ class InputSignature:
         for index, meta in self.tensor_meta:
             leaf = leaves[index]
             if not isinstance(leaf, torch.Tensor) or (
-                tuple(leaf.shape) != meta.shape or leaf.dtype != meta.dtype or leaf.device != meta.device
-                or (leaf.numel() > 1 and tuple(leaf.stride()) != meta.stride)  # views are traced per layout
+                not _same_shape(leaf, meta) or leaf.dtype != meta.dtype or leaf.device != meta.device
             ):
                 got = TensorMeta.of(leaf).short() if isinstance(leaf, torch.Tensor) else repr(leaf)
                 raise SignatureMismatchError(
@@ -45,6 +60,12 @@ class InputSignature:
                     "for these inputs, or use effectfx.compile, which re-captures when inputs change."
                 )
             tensors.append(leaf)
+        if self.checks is not None and not self.checks.hold(tensors):
+            failed = ", ".join(self.guard_text(g) for g in self.checks.failed(tensors))
+            raise SignatureMismatchError(
+                f"{name}: the inputs' sizes break what its symbolic capture assumed ({failed}). Capture "
+                "again for these inputs, or use effectfx.compile, which re-captures when a guard fails."
+            )
         if (alias_pattern(leaves, self.tensor_meta) != self.aliases
                 or alias_pattern(leaves, self.tensor_meta, bases=True) != self.views):
             raise SignatureMismatchError(
@@ -61,6 +82,14 @@ class InputSignature:
                     "non-tensor arguments are baked into the graph. Capture again for the new value."
                 )
         return tensors
+
+
+def _same_shape(leaf: torch.Tensor, meta: TensorMeta) -> bool:
+    """The static sizes and strides of ``meta`` (a symbolic one is the shape guards' to check)."""
+    if not meta.symbolic:  # views are traced per layout
+        return tuple(leaf.shape) == meta.shape and (leaf.numel() <= 1 or tuple(leaf.stride()) == meta.stride)
+    return leaf.dim() == len(meta.shape) and all(
+        type(m) is not int or a == m for a, m in zip(leaf.shape, meta.shape))
 
 
 def alias_pattern(leaves: list[Any], tensor_meta: tuple[tuple[int, Any], ...], bases: bool = False

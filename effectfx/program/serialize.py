@@ -59,13 +59,14 @@ from .. import ops
 from ..errors import EffectfxError
 from ..graph.build import Graph, graph_module
 from ..graph.meta import TensorMeta
+from ..graph.symbols import SIZE_TARGETS, SYM_TYPES
 from .records import InputSignature, PassRecord, RegionEntry
 
 FORMAT = "effectfx-program"
 VERSION = 1
 # the higher-order ops by their table names (subgraphs are get_attr nodes, operands tuples of nodes); the
 # token ops never appear in the token-free form
-PYTHON_TARGETS: dict[str, Any] = {"operator.getitem": operator.getitem,
+PYTHON_TARGETS: dict[str, Any] = {"operator.getitem": operator.getitem, **SIZE_TARGETS,
                                   **{spec.name: op for op, spec in ops.HOPS.items()}}
 _PYTHON_NAMES = {id(v): k for k, v in PYTHON_TARGETS.items()}
 _ENUMS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -111,6 +112,7 @@ class _Saver:
                 "constants": [[i, _value(v)] for i, v in prog.signature.constants],
                 "aliases": list(prog.signature.aliases),
                 "views": list(prog.signature.views),
+                "shape_guards": list(prog.signature.shape_guards),
             },
             "out_spec": _dumps_spec(prog.out_spec),
             "out_layout": [[kind, _value(v)] for kind, v in prog.out_layout],
@@ -148,7 +150,7 @@ class _Saver:
         return {"name": node.name, "op": node.op, "target": target,
                 "args": [_value(a) for a in node.args],
                 "kwargs": {k: _value(v) for k, v in node.kwargs.items()},
-                "val": _meta(TensorMeta.of(val)) if isinstance(val, torch.Tensor) else None}
+                "val": _meta(TensorMeta.of(val)) if isinstance(val, torch.Tensor) else None}  # (a size: None)
 
 
 def _unsupported(what: str) -> Any:
@@ -204,8 +206,13 @@ def _value(v: Any) -> Any:
 
 
 def _meta(m: TensorMeta) -> dict:
-    return {"shape": list(m.shape), "stride": list(m.stride), "dtype": str(m.dtype).removeprefix("torch."),
+    # a symbolic size is saved as its expression ("s27*8"): a loaded program checks it by its shape guards
+    return {"shape": _dims(m.shape), "stride": _dims(m.stride), "dtype": str(m.dtype).removeprefix("torch."),
             "device": str(m.device), "requires_grad": m.requires_grad}
+
+
+def _dims(values: tuple) -> list:
+    return [str(v) if isinstance(v, SYM_TYPES) else v for v in values]
 
 
 def _dumps_spec(spec: Any) -> str:
@@ -310,8 +317,7 @@ class _Loader:
                 node = graph.output(args[0])
             else:
                 node = graph.create_node(n["op"], target, args, kwargs, name=n["name"])
-            if n["val"] is not None:
-                m = _load_meta(n["val"])
+            if n["val"] is not None and not (m := _load_meta(n["val"])).symbolic:
                 node.meta["val"] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
             env[n["name"]] = node
         gm = graph_module(holder, graph, spec["class"])
@@ -331,6 +337,7 @@ class _Loader:
             tuple((i, _load_value(v, {})) for i, v in sig["constants"]),
             tuple(sig.get("aliases", ())),
             tuple(sig.get("views", ())),
+            tuple(sig.get("shape_guards", ())),
         )
         return dict(
             graph_module=self.graph(p["root"]), signature=signature,

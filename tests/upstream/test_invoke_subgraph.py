@@ -361,14 +361,17 @@ class TestInvokeSubgraphCompile:
         def fn(x, y):
             return gn(x, y)
 
-        cfn = efx.compile(fn)
-        for rows, n in ((64, 8), (256, 16), (16, 4)):
-            x, y = randn(rows, 1, requires_grad=True), randn(n, n, seed=1, requires_grad=True)
-            ref, res = fn(x, y), cfn(x, y)
-            assert_same(res, ref, f"{rows}x{n}")
-            grads = torch.autograd.grad(res.sum(), (x, y)), torch.autograd.grad(ref.sum(), (x, y))
-            assert_same(*grads, "grads")
-        assert cfn.stats.compiles == 3
+        # automatic dynamic: the second shape captures a symbolic program (the sizes flow from the forward
+        # into the backward), which serves the third; dynamic=False captures each shape
+        for dynamic, compiles in ((None, 2), (False, 3)):
+            cfn = efx.compile(fn, dynamic=dynamic)
+            for rows, n in ((64, 8), (256, 16), (16, 4)):
+                x, y = randn(rows, 1, requires_grad=True), randn(n, n, seed=1, requires_grad=True)
+                ref, res = fn(x, y), cfn(x, y)
+                assert_same(res, ref, f"{rows}x{n}")
+                grads = torch.autograd.grad(res.sum(), (x, y)), torch.autograd.grad(ref.sum(), (x, y))
+                assert_same(*grads, "grads")
+            assert cfn.stats.compiles == compiles
 
     def test_dropout_checks_joint_graph(self):
         # upstream cannot compare values (Inductor's RNG differs); effectfx draws from the global

@@ -1,0 +1,140 @@
+"""Which sizes of a capture are symbolic (Note [Symbolic shapes]): torch's marks on tensors
+(``mark_dynamic`` / ``mark_static``, the attributes ``torch._dynamo`` sets, so a tensor marked by either is
+marked for both), ``torch.export``-style ``dynamic_shapes`` specs, and the sizes in which two calls differ
+(``efx.compile``'s automatic dynamic)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..errors import SignatureMismatchError
+
+Dynamic = dict[int, frozenset[int]]  # tensor leaf index -> its dimensions whose sizes are symbols
+
+_DYNAMIC, _STATIC = "_dynamo_dynamic_indices", "_dynamo_static_indices"
+
+
+def mark_dynamic(t: torch.Tensor, index: int | list[int] | tuple[int, ...]) -> None:
+    """Make dimension ``index`` of ``t`` symbolic from the first capture that sees it (as
+    ``torch._dynamo.mark_dynamic``)."""
+    _mark(t, index, _DYNAMIC)
+
+
+def mark_static(t: torch.Tensor, index: int | list[int] | tuple[int, ...]) -> None:
+    """Keep dimension ``index`` of ``t`` static, even under ``dynamic=True`` (as
+    ``torch._dynamo.mark_static``)."""
+    _mark(t, index, _STATIC)
+
+
+def _mark(t: torch.Tensor, index: Any, attr: str) -> None:
+    indices = list(index) if isinstance(index, (list, tuple)) else [index]
+    for i in indices:
+        if not -t.dim() <= i < t.dim():
+            raise IndexError(f"dimension {i} out of range for a tensor of {t.dim()} dimensions")
+    marked = set(getattr(t, attr, ()))
+    marked.update(i % t.dim() for i in indices)
+    setattr(t, attr, marked)
+
+
+def marked(t: torch.Tensor) -> tuple[frozenset[int], frozenset[int]]:
+    """The dimensions of ``t`` marked dynamic and static."""
+    return frozenset(getattr(t, _DYNAMIC, ())), frozenset(getattr(t, _STATIC, ()))
+
+
+def all_dims(leaves: list[Any]) -> Dynamic:
+    """``dynamic=True``: every size of every tensor argument, but those marked static."""
+    return {i: frozenset(range(leaf.dim())) - marked(leaf)[1]
+            for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.dim()}
+
+
+def marked_dims(leaves: list[Any]) -> Dynamic:
+    """The dimensions marked dynamic (``mark_dynamic``), as the first capture makes them."""
+    return {i: marked(leaf)[0] - marked(leaf)[1] for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and marked(leaf)[0]}
+
+
+def changed_dims(leaves: list[Any], before: list[tuple[int, tuple[int, ...]]]) -> Dynamic:
+    """Automatic dynamic: the sizes in which this call's tensors differ from an earlier call's (``before``:
+    (leaf index, shape) of each tensor it had), but those marked static."""
+    found: Dynamic = {}
+    for i, shape in before:
+        leaf = leaves[i]
+        changed = frozenset(d for d, (a, b) in enumerate(zip(leaf.shape, shape)) if a != b)
+        changed -= marked(leaf)[1]
+        if changed:
+            found[i] = changed
+    return found
+
+
+def union(*parts: Dynamic) -> Dynamic:
+    out: dict[int, frozenset[int]] = {}
+    for part in parts:
+        for i, dims in part.items():
+            out[i] = out.get(i, frozenset()) | dims
+    return out
+
+
+def dynamic_dims(fn: Any, args: tuple, kwargs: dict, dynamic_shapes: Any) -> Dynamic:
+    """The symbolic dimensions a ``torch.export``-style spec names, plus the tensors' marks.  The spec
+    is a dict by parameter name or a tuple in parameter order; per tensor, a dict ``{dim: Dim}`` or a
+    sequence with a ``Dim`` (or ``Dim.DYNAMIC``/``Dim.AUTO``) or None per dimension; nested like the
+    argument itself for a list, tuple or dict of tensors."""
+    leaves = tree_flatten((args, kwargs))[0]
+    found = marked_dims(leaves)
+    if dynamic_shapes is None:
+        return found
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise SignatureMismatchError(f"dynamic_shapes: cannot bind the arguments to the function ({exc})"
+                                     ) from None
+    names = list(bound.arguments)
+    if isinstance(dynamic_shapes, (tuple, list)):
+        if len(dynamic_shapes) != len(names):
+            raise SignatureMismatchError(
+                f"dynamic_shapes has {len(dynamic_shapes)} entries for {len(names)} arguments ({names}); "
+                "give one per argument (None for an argument with no symbolic size), or a dict by name.")
+        specs = dict(zip(names, dynamic_shapes))
+    elif isinstance(dynamic_shapes, dict):
+        unknown = sorted(set(dynamic_shapes) - set(names))
+        if unknown:
+            raise SignatureMismatchError(f"dynamic_shapes names {unknown}, which are not arguments of the "
+                                         f"call ({names}).")
+        specs = dynamic_shapes
+    else:
+        raise SignatureMismatchError(f"dynamic_shapes must be a dict by argument name or a tuple, not "
+                                     f"{type(dynamic_shapes).__name__}.")
+    ids = {id(leaf): i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    for name, spec in specs.items():
+        if spec is not None:
+            _walk(bound.arguments[name], spec, name, ids, found)
+    return found
+
+
+def _walk(value: Any, spec: Any, where: str, ids: dict[int, int], found: dict[int, frozenset[int]]) -> None:
+    if isinstance(value, torch.Tensor):
+        if isinstance(spec, dict):
+            dims = frozenset(d % value.dim() for d, dim in spec.items() if dim is not None)
+        elif isinstance(spec, (tuple, list)):
+            dims = frozenset(d for d, dim in enumerate(spec) if dim is not None)
+        else:
+            raise SignatureMismatchError(f"dynamic_shapes[{where}]: a tensor spec is a dict {{dim: Dim}} or "
+                                         f"a sequence per dimension, not {spec!r}.")
+        i = ids[id(value)]
+        found[i] = found.get(i, frozenset()) | (dims - marked(value)[1])
+    elif isinstance(value, dict) and isinstance(spec, dict):
+        for k, v in value.items():
+            if spec.get(k) is not None:
+                _walk(v, spec[k], f"{where}[{k!r}]", ids, found)
+    elif isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)) and len(spec) == len(value):
+        for k, (v, s) in enumerate(zip(value, spec)):
+            if s is not None:
+                _walk(v, s, f"{where}[{k}]", ids, found)
+    else:
+        raise SignatureMismatchError(f"dynamic_shapes[{where}] is {spec!r}, which does not match the "
+                                     f"argument (a {type(value).__name__}).")

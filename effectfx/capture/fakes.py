@@ -1,0 +1,65 @@
+"""Making the tracer's fake tensors: cheaply (``fake_maker``), with symbolic sizes (``symbolic_context``),
+and through fake implementations that keep sizes symbolic where torch's own specialize (Note [Symbolic
+shapes]).
+
+A few aten ops have a C++ composite kernel that FakeTensorMode runs as their fake; it reads the sizes as
+ints, which pins each symbol to the example's value (a guard): every new length would capture anew.  For
+those, the tracer computes the result's metadata itself -- the op stays one aten node in the graph, and
+runs its real kernel at run time.  Any other op that pins a symbol is named by ``efx.explain``
+(``Tracer.specialized``), so a missing entry here shows up as a reason, never as a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+aten = torch.ops.aten
+
+
+def fake_maker(mode: FakeTensorMode, device: torch.device) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+    """A constructor of fakes on ``device``: what ``FakeTensor(mode, storage, device)`` builds, at a third of
+    its cost (a capture makes a fake per op output and per region call site result).  The attribute
+    state is copied from a fake made by FakeTensor's own constructor, so it is whatever torch sets."""
+    template = FakeTensor(mode, torch.empty(0, device="meta"), device)
+    if FakeTensorConfig.debug:  # the debug state is per tensor (a traceback): take the slow path
+        return lambda storage, grad: FakeTensor(mode, storage, device).requires_grad_(grad)
+    state, backend_device = dict(template.__dict__), template.fake_device
+    guard = (torch._C._set_warn_deprecated_on_mutable_data_ptr if mode._allow_unsafe_data_ptr_access
+             else torch._C._set_throw_on_mutable_data_ptr)
+
+    def make(storage: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        t = torch.Tensor._make_subclass(FakeTensor, storage, requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=backend_device)
+        guard(t)
+        t.__dict__.update(state)
+        return t
+
+    return make
+
+
+def symbolic_context(value: torch.Tensor, dynamic: frozenset[int], name: str) -> tuple[Any, Any]:
+    """How ``FakeTensorMode.from_tensor`` makes the fake of an argument whose sizes ``dynamic`` names
+    symbols, and its source (the name its guards use)."""
+    from torch._dynamo.source import LocalSource  # (torch._dynamo takes 1.4 s to import: only here)
+
+    context = StatelessSymbolicContext(dynamic_sizes=[
+        DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(value.dim())])
+    return context, LocalSource(name)
+
+
+def _constant_pad_nd(x: torch.Tensor, pad: list[Any], value: Any = 0) -> torch.Tensor:
+    shape = list(x.shape)
+    for k in range(len(pad) // 2):  # pairs from the last dimension backwards, as F.pad takes them
+        shape[-1 - k] = shape[-1 - k] + pad[2 * k] + pad[2 * k + 1]
+    memory_format = torch._prims_common.suggest_memory_format(x)
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
+
+
+SYMBOLIC_FAKES: dict[Any, Callable[..., torch.Tensor]] = {
+    aten.constant_pad_nd.default: _constant_pad_nd,
+}
