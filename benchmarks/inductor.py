@@ -111,9 +111,9 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
               "effects_expected": n if SYSTEMS[system][2] else 0}
     result.update(check(model, n, system, module, loss))
     if system == "efx":
-        from effectfx.backends import inductor_segments
+        from effectfx.backends import inductor_cache
 
-        result["segments_compiled"] = inductor_segments.STATS.compiles - 1  # minus the warm-up's
+        result["segments_compiled"] = inductor_cache.STATS.compiles - 1  # minus the warm-up's
     return result
 
 

@@ -181,17 +181,17 @@ def hop_lowering(prog: Any) -> Any:
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from effectfx.backends.inductor_segments import InductorSegment, example_input, input_meta
+    from effectfx.backends.inductor_cache import example_inputs, input_metas
+    from effectfx.backends.inductor_segments import InductorSegment
 
     gm = prog.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    metas = tuple(input_meta(n.meta["val"]) for n in placeholders)
+    metas, hints = input_metas([n.meta["val"] for n in placeholders])
     # as the backend does: one fake mode with a shape environment (Inductor's FX graph cache needs it);
     # the tracing context's invoke_subgraph cache makes every call site of one identifier share a body
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with tracing(TracingContext(fake_mode)), torch.no_grad():
-        with fake_mode:
-            examples = [example_input(m) for m in metas]
+        examples, _ = example_inputs(metas, hints, fake_mode)
         decomposed = make_fx(_to_hop(gm, {}), decomposition_table=select_decomp_table(),
                              tracing_mode="fake")(*examples)
         # as torch.compile's own path does: body outputs keep their traced strides (compile_fx.py)

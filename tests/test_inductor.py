@@ -22,6 +22,7 @@ from torch import nn
 import effectfx as efx
 from effectfx import ops
 from effectfx.backends import inductor
+from effectfx.backends import inductor_cache as cache
 from effectfx.backends import inductor_segments as segs
 from effectfx.testing import recording
 from effectfx.testing.differential import compare, run_eager, run_program
@@ -212,11 +213,11 @@ def test_inference_and_compiles_do_not_grow_with_call_sites() -> None:
     x = torch.randn(2, 8)
     counts = []
     for n in (1, 3):
-        segs.clear_cache()
-        before = segs.STATS.compiles + segs.STATS.loads  # loaded: compiled by an earlier run
+        cache.clear_cache()
+        before = cache.STATS.compiles + cache.STATS.loads  # loaded: compiled by an earlier run
         model = Model(n).requires_grad_(False)
         check_inductor(model, x)
-        counts.append(segs.STATS.compiles + segs.STATS.loads - before)
+        counts.append(cache.STATS.compiles + cache.STATS.loads - before)
     assert counts[0] == counts[1]
 
 
@@ -233,7 +234,7 @@ def test_body_reused_across_signatures() -> None:
     compiled = efx.compile(f, backend="inductor")
     x = torch.randn(4)
     compiled(x, 2.0)
-    stats = segs.STATS
+    stats = cache.STATS
     before = (stats.compiles + stats.loads, stats.hits)
     with recording() as log:
         got = compiled(x, 3.0)  # a new signature: only the root's segment is new
@@ -308,8 +309,8 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
         raise RuntimeError("no kernel for you")
 
     monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
-    monkeypatch.setattr(segs, "artifact_path", lambda source, inputs: tmp_path / "none.bin")
-    segs.clear_cache()
+    monkeypatch.setattr(cache, "artifact_path", lambda source, inputs: tmp_path / "none.bin")
+    cache.clear_cache()
 
     @efx.region
     def falls_back(x):
@@ -327,16 +328,16 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
     compare("fallback", eager, got)  # un-compiled: exactly the default backend's ops
     assert any(issubclass(w.category, segs.InductorFallbackWarning) and "falls_back" in str(w.message)
                and "no kernel for you" in str(w.message) for w in caught)
-    segs.clear_cache()  # no refused segment survives into other tests
+    cache.clear_cache()  # no refused segment survives into other tests
 
 
 def test_a_new_process_loads_the_saved_segments() -> None:
     x = torch.randn(3)
     efx.compile(seed, backend="inductor")(x)  # compiles, or loads what an earlier run saved
-    segs.clear_cache()  # what a new process starts with
-    before = dataclasses.replace(segs.STATS)
+    cache.clear_cache()  # what a new process starts with
+    before = dataclasses.replace(cache.STATS)
     check_inductor(seed, x)
-    assert segs.STATS.compiles == before.compiles and segs.STATS.loads > before.loads
+    assert cache.STATS.compiles == before.compiles and cache.STATS.loads > before.loads
 
 
 def test_needs_token_free_form() -> None:

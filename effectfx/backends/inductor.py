@@ -38,9 +38,10 @@ from .. import ops
 from ..effects import effect_of
 from ..errors import BackendError
 from ..graph.build import Graph, graph_module
+from ..graph.symbols import SYM_TYPES, Sizes, expr_of
 from ..passes.direct_calls import DirectOpCodeGen
 from ..program.program import Program
-from .inductor_segments import compiled_segment, input_meta
+from .inductor_segments import compiled_segment
 
 _RANDOM = torch.Tag.nondeterministic_seeded
 
@@ -63,6 +64,13 @@ def runs_in_python(node: fx.Node) -> bool:
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return not all(isinstance(v, torch.Tensor) for v in vals)
+
+
+def is_size(node: fx.Node) -> bool:
+    """A size computation (``sym_size`` of an input and arithmetic on sizes): computed once, up front,
+    in Python -- it reads only the graph's inputs (Note [Symbolic shapes]) -- and never a segment
+    boundary; a segment reads the sizes it needs from its own inputs."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), SYM_TYPES)
 
 
 def _fewest_segments(earliest: dict[fx.Node, int], python: list[fx.Node]) -> dict[fx.Node, int]:
@@ -111,8 +119,12 @@ class _Lowering:
         avail: dict[fx.Node, int] = {}
         segment_of: dict[fx.Node, int] = {}
         python: list[fx.Node] = []  # in program order
+        sizes: list[fx.Node] = []
         for node in nodes:
             if node.op in ("placeholder", "get_attr"):
+                avail[node] = 0
+            elif is_size(node):
+                sizes.append(node)
                 avail[node] = 0
             elif node.op == "output":
                 continue
@@ -145,6 +157,9 @@ class _Lowering:
                     value = self.body(value, identifiers.get(node, node.target))
                 setattr(holder, node.target, value)
                 env[node] = new.node_copy(node)
+        for node in sizes:
+            env[node] = new.node_copy(node, lambda n: env[n])
+        self.inputs = [n for n in nodes if n.op == "placeholder"]
         emitted = 0
         for seg, group in enumerate(members):
             if group and self.segment(new, holder, env, group, f"segment_{emitted}", where):
@@ -158,14 +173,36 @@ class _Lowering:
         lowered.meta.update(gm.meta)
         return lowered
 
+    def size_inputs(self, sizes: list[fx.Node], inputs: list[fx.Node], where: str) -> list[fx.Node]:
+        """The graph inputs a segment must also take to read ``sizes`` from: those of its inputs lack."""
+        have = Sizes(Graph())
+        for i in inputs:
+            have.add_input(i, i.meta.get("val"))
+        outer = Sizes(Graph())
+        for i in self.inputs:
+            outer.add_input(i, i.meta.get("val"))
+        extra: list[fx.Node] = []
+        for node in sizes:
+            for symbol in sorted(_free_symbols(node), key=str):
+                if have.source(symbol) is None:
+                    found = outer.source(symbol)
+                    if found is None:
+                        raise BackendError(f"a segment of {where} needs the size {symbol}, which no input of "
+                                           "its graph has (Note [Symbolic shapes]); use the default backend.")
+                    extra.append(found[0])
+                    have.add_input(found[0], found[0].meta.get("val"))
+        return extra
+
     def segment(self, new: fx.Graph, holder: torch.nn.Module, env: dict[fx.Node, Any], members: list[fx.Node],
                 attr: str, where: str) -> bool:
         inside = set(members)
         inputs: list[fx.Node] = []
+        sizes: list[fx.Node] = []
         for node in members:
             for i in node.all_input_nodes:
-                if i not in inside and i not in inputs:
-                    inputs.append(i)
+                if i not in inside and i not in inputs and i not in sizes:
+                    (sizes if is_size(i) else inputs).append(i)
+        inputs.extend(self.size_inputs(sizes, inputs, where))
         outputs = [n for n in members if any(u not in inside for u in n.users)]
         if not outputs:
             return False  # nothing outside reads it: pure dead code
@@ -179,6 +216,12 @@ class _Lowering:
         for k, i in enumerate(inputs):
             local[i] = graph.placeholder(f"in{k}")
             local[i].meta = dict(i.meta)
+        if sizes:  # read from the segment's own inputs, as every graph reads them
+            table = Sizes(graph)
+            for i in inputs:
+                table.add_input(local[i], i.meta.get("val"))
+            for node in sizes:
+                local[node] = table.node(node.meta["val"])
         for node in members:
             local[node] = graph.create_node(node.op, node.target, fx.map_arg(node.args, lambda n: local[n]),
                                             fx.map_arg(node.kwargs, lambda n: local[n]))
@@ -191,13 +234,18 @@ class _Lowering:
             if not isinstance(val, torch.Tensor):  # runs_in_python keeps non-tensors out; be sure
                 raise BackendError(f"{i.format_node()} in {where} passes a {type(val).__name__} into an "
                                    "Inductor segment; use the default backend for this program.")
-            metas.append(input_meta(val))
-        setattr(holder, attr, compiled_segment(source, tuple(metas), where))
+            metas.append(val)
+        setattr(holder, attr, compiled_segment(source, metas, where))
         call = new.call_module(attr, tuple(env[i] for i in inputs))
         for k, out in enumerate(outputs):
             env[out] = new.call_function(operator.getitem, (call, k))
             env[out].meta = dict(out.meta)
         return True
+
+
+def _free_symbols(node: fx.Node) -> set:
+    expr = expr_of(node.meta["val"])
+    return set(getattr(expr, "free_symbols", ()))
 
 
 def lower_to_inductor(prog: Program) -> Program:

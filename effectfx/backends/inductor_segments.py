@@ -1,50 +1,24 @@
-"""Inductor segments: a pure piece of a token-free graph compiled by Inductor, its cache for the process
-and on disk, and its un-compiled fallback (``lower_to_inductor``'s steps 2 and 3,
-``effectfx.backends.inductor``).
-
-Each segment is compiled by ``torch._inductor.standalone_compile`` (aot_autograd's decompositions to core
-aten, then Inductor) on fake example inputs built from the capture's tensor metadata.  Compiled segments
-are cached for the process by their code and input metadata (:data:`SEGMENTS`), so a body is compiled once
-however many call sites, programs or input signatures share it; and saved as ``CompiledArtifact`` files in
-Inductor's cache directory (:func:`artifact_path`), so a second process loads each in milliseconds.  A
-segment Inductor cannot compile runs its aten graph un-compiled, with an :class:`InductorFallbackWarning`
-naming the region: never a wrong result.
+"""Inductor segments: a pure piece of a token-free graph run as Inductor's compiled code, or un-compiled
+(``lower_to_inductor``'s steps 2 and 3, ``effectfx.backends.inductor``; compiling and caching them is
+``effectfx.backends.inductor_cache``).  A segment Inductor cannot compile runs its aten graph un-compiled,
+with an :class:`InductorFallbackWarning` naming the region: never a wrong result.  A segment with symbolic
+sizes runs the variant whose guards admit the call's sizes (:class:`SymbolicSegment`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
-import os
-import threading
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..errors import EffectfxWarning
+from .inductor_cache import Compiled, Meta, compiled_or_why, guards_hold, input_metas, symbol
 
 
 class InductorFallbackWarning(EffectfxWarning):
     """A pure segment Inductor could not compile runs un-compiled (correct, slower)."""
-
-
-Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
-
-
-def input_meta(t: torch.Tensor) -> Meta:
-    device = getattr(t, "fake_device", None) or t.device
-    return tuple(t.shape), tuple(t.stride()), t.dtype, device
-
-
-def example_input(meta: Meta) -> torch.Tensor:
-    shape, stride, dtype, device = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 class InductorSegment(torch.nn.Module):
@@ -55,19 +29,21 @@ class InductorSegment(torch.nn.Module):
     artifact's (checked on that call, value for value), later calls run that graph directly, without the
     aot_autograd wrappers around it (about 20 us a call; a transformer block calls two segments a step)."""
 
-    def __init__(self, source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> None:
+    def __init__(self, source: fx.GraphModule, inputs: tuple[Meta, ...], where: str,
+                 hints: tuple[int, ...] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "source", source)  # the aten graph (not a submodule: printed apart)
         self.inputs = inputs
+        self.hints = hints  # the example value of each symbol z<k> of ``inputs``
         self.where = where
-        self._found: tuple[Any, str | None] | None = None  # (artifact or None, why not): on first use
+        self._found: Compiled | None = None  # on first use
         self.run: Any = None  # boxed: run([*tensors]) -> outputs; set by the first call
 
     @classmethod
     def ready(cls, source: fx.GraphModule, compiled: Any, inputs: tuple[Meta, ...]) -> InductorSegment:
         """A segment around an artifact compiled elsewhere (``compiled(*tensors)``)."""
         segment = cls(source, inputs, "a compiled graph")
-        segment._found = (compiled, None)
+        segment._found = Compiled(compiled)
         return segment
 
     @property
@@ -76,17 +52,26 @@ class InductorSegment(torch.nn.Module):
         backward of a program whose callers only ever backpropagate some outputs (Note [Partial
         backward]) -- costs no compile."""
         if self._found is None:
-            self._found = _compiled_or_why(self.source, self.inputs)
-            if self._found[0] is None:
-                size = len(self.source.graph.nodes)
-                warnings.warn(f"Inductor could not compile a segment of {self.where} ({size} nodes); it runs "
-                              f"un-compiled. {self._found[1]}", InductorFallbackWarning, stacklevel=3)
-        return self._found[0]
+            self._found = compiled_or_why(self.source, self.inputs, self.hints)
+            if self._found.artifact is None:
+                self.fall_back(self._found.why or "")
+        return self._found.artifact
+
+    def fall_back(self, why: str) -> None:
+        self._found = Compiled(None, why)
+        size = len(self.source.graph.nodes)
+        warnings.warn(f"Inductor could not compile a segment of {self.where} ({size} nodes); it runs "
+                      f"un-compiled. {why}", InductorFallbackWarning, stacklevel=4)
+
+    @property
+    def guards(self) -> tuple[Any, ...]:
+        """What the compiled code assumed of the sizes (over z<k>; () for a static segment)."""
+        return self._found.guards if self.compiled is not None else ()  # type: ignore[union-attr]
 
     @property
     def reason(self) -> str | None:
         """Why the segment runs un-compiled, if it does."""
-        return None if self.compiled is not None else self._found[1]  # type: ignore[index]
+        return None if self.compiled is not None else self._found.why  # type: ignore[union-attr]
 
     def __call__(self, *args: torch.Tensor) -> Any:
         # a segment is effectfx's, not the user's: torch's global module hooks must not see it
@@ -108,7 +93,9 @@ class InductorSegment(torch.nn.Module):
         tangent); dimensions of size 1 do not count, as in Inductor's check."""
         out = list(args)
         for i, (t, (shape, stride, _, _)) in enumerate(zip(args, self.inputs)):
-            if any(n > 1 and s != g for n, s, g in zip(shape, stride, t.stride())):
+            if self.hints:  # sizes and strides as expressions: the layout is their values here
+                stride = _evaluated(shape, stride, t.shape)
+            if any(n > 1 and s != g for n, s, g in zip(t.shape, stride, t.stride())):
                 out[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
         return out
 
@@ -137,6 +124,76 @@ class InductorSegment(torch.nn.Module):
             return _fresh(outs, returned)
         self.run = run
         return outs
+
+
+def _evaluated(shape: tuple, stride: tuple, actual: Any) -> tuple[int, ...]:
+    """A symbolic stride's values for a tensor of the ``actual`` shape (a symbol z<k> is the size of the
+    first dimension that is exactly it)."""
+    values: dict[Any, int] = {}
+    for d, n in zip(shape, actual):
+        if type(d) is not int and d.is_Symbol:
+            values.setdefault(d, int(n))
+    return tuple(s if type(s) is int else int(s.xreplace(values)) for s in stride)
+
+
+class SymbolicSegment(torch.nn.Module):
+    """A segment whose inputs have symbolic sizes.  Its first variant, compiled for the example's sizes,
+    usually assumed nothing of them and serves every call; one that did (``InductorSegment.guards``) serves
+    the sizes its guards admit, and other sizes get variants of their own, found by the call's sizes."""
+
+    def __init__(self, source: fx.GraphModule, inputs: tuple[Meta, ...], where: str,
+                 hints: tuple[int, ...]) -> None:
+        super().__init__()
+        object.__setattr__(self, "source", source)
+        self.inputs, self.where = inputs, where
+        self.first = InductorSegment(source, inputs, where, hints)
+        # where each symbol z<k> is read from a call: the first input dimension that is exactly it
+        self.positions = [next(((i, d) for i, m in enumerate(inputs) for d, n in enumerate(m[0])
+                                if n == symbol(k)), None) for k in range(len(hints))]
+        self.by_sizes: dict[tuple[int, ...], InductorSegment] = {}
+        self._one: InductorSegment | None = None  # the variant for every size, once known
+
+    @property
+    def compiled(self) -> Any:
+        return self.first.compiled
+
+    @property
+    def reason(self) -> str | None:
+        return self.first.reason
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return self.forward(*args)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        one = self._one
+        if one is not None:
+            return one.forward(*args)
+        first = self.first
+        if not first.guards:
+            self._one = first
+            return first.forward(*args)
+        if None in self.positions:  # a size read only through an expression: no way to pick a variant
+            first.fall_back(f"Inductor's code for it holds only where {first.guards}")
+            self._one = first
+            return first.forward(*args)
+        sizes = tuple(int(args[i].shape[d]) for i, d in self.positions)  # type: ignore[misc]
+        variant = self.by_sizes.get(sizes)
+        if variant is None:
+            known = (first, *self.by_sizes.values())
+            variant = next((v for v in known if guards_hold(v.guards, sizes)), None)
+            if variant is None:
+                variant = InductorSegment(self.source, self.inputs, self.where, sizes)
+            self.by_sizes[sizes] = variant
+        return variant.forward(*args)
+
+
+def compiled_segment(source: fx.GraphModule, inputs: list[torch.Tensor], where: str) -> torch.nn.Module:
+    """The segment ``source`` (canonical names, see ``_Lowering.segment``) on inputs like ``inputs`` (fakes,
+    perhaps with symbolic sizes), compiled once per process, on its first use."""
+    metas, hints = input_metas(inputs)
+    if hints:
+        return SymbolicSegment(source, metas, where, hints)
+    return InductorSegment(source, metas, where)
 
 
 def _fresh(outs: Any, indices: list[int]) -> list[Any]:
@@ -179,114 +236,3 @@ def _compiled_graph(artifact: Any) -> Any:
     if len(found) != 1 or found[0].mutated_inputs or found[0].current_callable is None:
         return None
     return found[0].current_callable
-
-
-# -- the caches of compiled segments ----------------------------------------------------------------------
-@dataclass
-class CacheStats:
-    compiles: int = 0  # segments handed to Inductor
-    loads: int = 0  # segments loaded from an artifact an earlier process saved
-    hits: int = 0  # segments found compiled (another call site, body, program or signature)
-    fallbacks: int = 0  # segments run un-compiled
-
-
-SEGMENTS: dict[tuple, tuple[Any, str | None]] = {}  # _key(segment) -> (compiled or None, why not)
-STATS = CacheStats()
-_LOCK = threading.Lock()  # one Inductor compile at a time (Inductor's state is global)
-ARTIFACT_FORMAT = 1  # bump when what a saved artifact means changes
-
-
-def clear_cache() -> None:
-    """Forget every compiled segment of this process (saved artifacts stay; see :func:`artifact_path`)."""
-    with _LOCK:
-        SEGMENTS.clear()
-
-
-def artifact_path(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> Path:
-    """Where a segment's compiled artifact is saved: inside Inductor's cache directory (so
-    ``TORCHINDUCTOR_CACHE_DIR`` governs both), named by everything the compiled code depends on."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    key = repr((ARTIFACT_FORMAT, torch.__version__, _key(source, inputs), inductor_config.get_hash(),
-                torch._functorch.config.get_hash()))
-    return Path(cache_dir()) / "effectfx" / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
-
-
-@contextlib.contextmanager
-def _quiet_unsaveable() -> Iterator[None]:
-    """Silence standalone_compile's warning that it has nothing to save (a graph that compiles to no
-    kernel): on stderr it would interleave with the program's own output; the next process compiles such
-    a segment again from Inductor's caches instead of loading our artifact."""
-    logger = logging.getLogger("torch._inductor.standalone_compile")
-    quiet = lambda record: "cannot save" not in record.getMessage()  # noqa: E731
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
-
-
-def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
-    """``torch._inductor.standalone_compile`` (aot_autograd's decompositions, then Inductor) of one segment,
-    saved as a ``CompiledArtifact`` that a later process loads in milliseconds instead of tracing and
-    looking up Inductor's caches again."""
-    from torch._inductor import CompiledArtifact, standalone_compile
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    path = artifact_path(source, inputs)
-    if path.is_file():
-        try:
-            loaded = CompiledArtifact.load(path=str(path), format="binary")
-            STATS.loads += 1
-            return loaded, None
-        except Exception:  # written by another torch, or damaged: compile anew (and overwrite it)
-            pass
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())  # static shapes: specialized on these examples
-    try:
-        with fake_mode:
-            examples = [example_input(m) for m in inputs]
-        with torch.no_grad(), _quiet_unsaveable():  # the inference path: segments run without grad
-            artifact = standalone_compile(source, examples, dynamic_shapes="from_example_inputs",
-                                          fake_mode=fake_mode)
-    except Exception as e:  # any Inductor failure: run the aten graph instead
-        STATS.fallbacks += 1
-        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    STATS.compiles += 1
-    if getattr(artifact, "is_saveable", lambda: True)():
-        try:  # atomically: two processes may save the same segment at once
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-            artifact.save(path=str(tmp), format="binary")
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache: the next process compiles again
-    return artifact, None
-
-
-def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
-    """What a segment's compiled code depends on: its code, the objects that code names (FX writes some
-    arguments as globals, not literals) and its inputs' metadata."""
-    code = source.graph.python_code("self")
-    return code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
-
-
-def compiled_segment(source: fx.GraphModule, inputs: tuple[Meta, ...], where: str) -> InductorSegment:
-    """The segment ``source`` (canonical names, see ``_Lowering.segment``), compiled once per process, on
-    its first use."""
-    return InductorSegment(source, inputs, where)
-
-
-def _compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple[Any, str | None]:
-    key = _key(source, inputs)
-    with _LOCK:
-        found = SEGMENTS.get(key)
-        if found is None:
-            found = SEGMENTS[key] = _compile(source, inputs)
-        else:
-            STATS.hits += 1
-    return found
-
-
-# -- splitting graphs ------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def hint(value: Any) -> Any:
     if not isinstance(value, SYM_TYPES):
         return value
     node = value.node
-    return node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+    return node.hint if node.hint is not None else node.shape_env.guarding_hint_or_throw(node.expr)
 
 
 class MissingSize(Exception):

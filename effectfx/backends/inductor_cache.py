@@ -1,0 +1,250 @@
+"""Compiling one Inductor segment, and the caches of compiled segments: for the process (:data:`SEGMENTS`)
+and on disk (:func:`artifact_path`), so a body is compiled once however many call sites, programs, input
+signatures or processes share it (``effectfx.backends.inductor_segments`` runs them).
+
+Each segment is compiled by ``torch._inductor.standalone_compile`` (aot_autograd's decompositions to core
+aten, then Inductor) on fake example inputs built from the capture's metadata.  A segment with symbolic
+sizes (Note [Symbolic shapes]) is compiled on examples whose sizes are symbols of a ShapeEnv of its own;
+what Inductor's code assumed of them (a kernel chosen for ``8*z0*z1 <= 4096``) comes back as the
+*variant's guards*: a segment keeps one variant per set of guards, and a size none of them admits
+compiles another, as torch.compile recompiles.  Most segments have none: one variant serves every size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._sympy.functions as sympy_functions
+
+from ..graph.symbols import expr_of, is_symbolic
+
+# an input's (shape, stride, dtype, device); a symbolic size is an expression over the segment's own
+# symbols z0, z1, ... (canonical: equal segments of different programs compile once)
+Meta = tuple[tuple[Any, ...], tuple[Any, ...], torch.dtype, torch.device]
+
+
+def symbol(k: int) -> sympy.Symbol:
+    return sympy.Symbol(f"z{k}", integer=True, positive=True)
+
+
+def input_metas(values: list[torch.Tensor]) -> tuple[tuple[Meta, ...], tuple[int, ...]]:
+    """The metadata of a segment's inputs (fakes), and the example value of each of its symbols."""
+    renamed: dict[Any, Any] = {}
+    hints: list[int] = []
+    metas = []
+    for t in values:
+        device = getattr(t, "fake_device", None) or t.device
+        dims = []
+        for group in (t.shape, t.stride()):
+            out: list[Any] = []
+            for d in group:
+                if not is_symbolic(d):
+                    out.append(int(d))
+                    continue
+                expr = expr_of(d)
+                for s in sorted(expr.free_symbols - set(renamed), key=str):
+                    renamed[s] = symbol(len(renamed))
+                    hints.append(int(d.node.shape_env.guarding_hint_or_throw(s)))
+                out.append(expr.xreplace(renamed))
+            dims.append(tuple(out))
+        metas.append((dims[0], dims[1], t.dtype, device))
+    return tuple(metas), tuple(hints)
+
+
+def example_inputs(metas: tuple[Meta, ...], hints: tuple[int, ...], fake_mode: Any
+                   ) -> tuple[list[torch.Tensor], dict[Any, Any]]:
+    """Fake inputs like ``metas`` in ``fake_mode``, each z<k> a symbol of its ShapeEnv (of value hints[k]),
+    and the map from those symbols back to z<k>."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    env = fake_mode.shape_env
+    symbols = {symbol(k): env.create_symbol(hint, ConstantSource(f"z{k}"), dynamic_dim=DimDynamic.DYNAMIC)
+               for k, hint in enumerate(hints)}
+    values = {symbol(k): hint for k, hint in enumerate(hints)}
+
+    def size(d: Any) -> Any:
+        if type(d) is int:
+            return d
+        return env.create_symintnode(d.xreplace(symbols), hint=int(d.xreplace(values)))
+
+    with fake_mode:
+        examples = [torch.empty_strided([size(d) for d in shape], [size(d) for d in stride], dtype=dtype,
+                                        device=device) for shape, stride, dtype, device in metas]
+    return examples, {v: k for k, v in symbols.items()}
+
+
+def guards_hold(guards: tuple[Any, ...], sizes: tuple[int, ...]) -> bool:
+    values = {symbol(k): v for k, v in enumerate(sizes)}
+    return all(bool(g.xreplace(values)) for g in guards)
+
+
+@dataclass
+class Compiled:
+    """One variant of a segment: Inductor's artifact (None: runs un-compiled, ``why``) and its guards."""
+
+    artifact: Any
+    why: str | None = None
+    guards: tuple[Any, ...] = ()
+
+
+@dataclass
+class CacheStats:
+    compiles: int = 0  # segments handed to Inductor
+    loads: int = 0  # segments loaded from an artifact an earlier process saved
+    hits: int = 0  # segments found compiled (another call site, body, program or signature)
+    fallbacks: int = 0  # segments run un-compiled
+
+
+SEGMENTS: dict[tuple, list[Compiled]] = {}  # _key(segment) -> its variants
+STATS = CacheStats()
+_LOCK = threading.Lock()  # one Inductor compile at a time (Inductor's state is global)
+ARTIFACT_FORMAT = 2  # bump when what a saved artifact means changes
+
+
+def clear_cache() -> None:
+    """Forget every compiled segment of this process (saved artifacts stay; see :func:`artifact_path`)."""
+    with _LOCK:
+        SEGMENTS.clear()
+
+
+def artifact_path(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> Path:
+    """Where a segment's compiled artifacts are saved (``<key>.bin``, and ``<key>.<n>.bin`` with an index
+    ``<key>.json`` of their guards for a symbolic one): inside Inductor's cache directory (so
+    ``TORCHINDUCTOR_CACHE_DIR`` governs both), named by everything the compiled code depends on."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    key = repr((ARTIFACT_FORMAT, torch.__version__, _key(source, inputs), inductor_config.get_hash(),
+                torch._functorch.config.get_hash()))
+    return Path(cache_dir()) / "effectfx" / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
+
+
+@contextlib.contextmanager
+def _quiet_unsaveable() -> Iterator[None]:
+    """Silence standalone_compile's warning that it has nothing to save (a graph that compiles to no
+    kernel): on stderr it would interleave with the program's own output; the next process compiles such
+    a segment again from Inductor's caches instead of loading our artifact."""
+    logger = logging.getLogger("torch._inductor.standalone_compile")
+    quiet = lambda record: "cannot save" not in record.getMessage()  # noqa: E731
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _parse(text: str) -> Any:
+    names = {name: getattr(sympy_functions, name) for name in sympy_functions.__all__}
+    names.update({f"z{k}": symbol(k) for k in range(text.count("z") + 1)})
+    return sympy.sympify(text, locals=names)
+
+
+def _index(path: Path) -> list[tuple[tuple[Any, ...], Path]]:
+    """The saved variants of a symbolic segment: (guards, artifact file)."""
+    try:
+        entries = json.loads(path.with_suffix(".json").read_text())
+        return [(tuple(_parse(g) for g in guards), path.with_name(name)) for guards, name in entries]
+    except (OSError, ValueError, TypeError, SyntaxError, sympy.SympifyError):
+        return []
+
+
+def _save(artifact: Any, path: Path, guards: tuple[Any, ...] | None) -> None:
+    """Write an artifact atomically (two processes may save the same segment at once); a symbolic
+    segment's (``guards`` not None) also goes into its index."""
+    if not getattr(artifact, "is_saveable", lambda: True)():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        unique = f"{os.getpid()}.{threading.get_ident()}"
+        target = path if guards is None else path.with_name(f"{path.stem}.{unique}.bin")
+        tmp = target.with_name(f".{target.stem}.{unique}.tmp")
+        artifact.save(path=str(tmp), format="binary")
+        os.replace(tmp, target)
+        if guards is not None:
+            entries = [[[str(g) for g in gs], p.name] for gs, p in _index(path)]
+            entries.append([[str(g) for g in guards], target.name])
+            index = path.with_name(f".{path.stem}.{unique}.json.tmp")
+            index.write_text(json.dumps(entries))
+            os.replace(index, path.with_suffix(".json"))
+    except OSError:
+        pass  # a read-only cache: the next process compiles again
+
+
+def _load(path: Path) -> Any:
+    from torch._inductor import CompiledArtifact
+
+    try:
+        loaded = CompiledArtifact.load(path=str(path), format="binary")
+    except Exception:  # noqa: BLE001 -- written by another torch, or damaged: compile anew (overwrite it)
+        return None
+    STATS.loads += 1
+    return loaded
+
+
+def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...]) -> Compiled:
+    """``standalone_compile`` of one segment (for ``hints``' sizes, and every size its guards admit),
+    loaded from the artifact an earlier process saved when there is one."""
+    from torch._inductor import standalone_compile
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    path = artifact_path(source, inputs)
+    if not hints and path.is_file():
+        loaded = _load(path)
+        if loaded is not None:
+            return Compiled(loaded)
+    for guards, saved in _index(path) if hints else ():
+        if guards_hold(guards, hints) and (loaded := _load(saved)) is not None:
+            return Compiled(loaded, guards=guards)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    try:
+        examples, back = example_inputs(inputs, hints, fake_mode)
+        with torch.no_grad(), _quiet_unsaveable():  # the inference path: segments run without grad
+            artifact = standalone_compile(source, examples, dynamic_shapes="from_example_inputs",
+                                          fake_mode=fake_mode)
+    except Exception as e:  # noqa: BLE001 -- any Inductor failure: run the aten graph instead
+        STATS.fallbacks += 1
+        text = str(e).strip()
+        return Compiled(None, f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+    STATS.compiles += 1
+    # what Inductor's choices assumed of the sizes, over z<k>
+    guards = tuple(g.expr.xreplace(back) for g in fake_mode.shape_env.guards)
+    _save(artifact, path, guards if hints else None)
+    return Compiled(artifact, guards=guards)
+
+
+def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
+    """What a segment's compiled code depends on: its code, the objects that code names (FX writes some
+    arguments as globals, not literals) and its inputs' metadata."""
+    code = source.graph.python_code("self")
+    return code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
+
+
+def compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...] = ()
+                    ) -> Compiled:
+    """The variant of the segment that serves ``hints``' sizes, compiled once per process (and set of
+    guards)."""
+    key = _key(source, inputs)
+    with _LOCK:
+        variants = SEGMENTS.setdefault(key, [])
+        found = next((v for v in variants if guards_hold(v.guards, hints)), None) if hints else (
+            variants[0] if variants else None)
+        if found is None:
+            found = _compile(source, inputs, hints)
+            variants.append(found)
+        else:
+            STATS.hits += 1
+    return found
