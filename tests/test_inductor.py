@@ -81,8 +81,8 @@ def lowered_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return [getattr(gm, n.args[0].target) for n in gm.graph.nodes if n.target is ops.invoke_subgraph]
 
 
-def segments(gm: fx.GraphModule) -> list[segs.InductorSegment]:
-    return [m for m in gm.children() if isinstance(m, segs.InductorSegment)]
+def segments(gm: fx.GraphModule) -> list[segs.InductorSegment | segs.SymbolicSegment]:
+    return [m for m in gm.children() if isinstance(m, (segs.InductorSegment, segs.SymbolicSegment))]
 
 
 def test_region_body_is_compiled_once_and_effects_stay_in_python() -> None:
@@ -283,6 +283,32 @@ def test_gpt2_three_training_steps() -> None:
         bodies = lowered_bodies(half.graph_module)
         assert len(bodies) == hf.LAYERS and all(b is bodies[0] for b in bodies)
         assert all(s.compiled is not None for s in segments(bodies[0]))
+
+
+@pytest.mark.slow
+def test_gpt2_over_four_lengths_compiles_each_body_once_more() -> None:
+    """Symbolic sizes (Note [Symbolic shapes]): the first length is static, the second captures and
+    compiles a symbolic program, and the third and fourth compile nothing."""
+    from effectfx.testing import hf
+
+    eager_model = hf.build("gpt2", seed=0)
+    model = copy.deepcopy(eager_model)
+    compiled = efx.compile(model, backend="inductor")
+    generator = torch.Generator().manual_seed(1)
+    compiled_segments = []
+    for length in (8, 9, 12, 15):
+        ids = torch.randint(0, hf.VOCAB, (2, length), generator=generator)
+        eager = train(eager_model, lambda i: eager_model(i, labels=i).loss, ids, steps=1)
+        got = train(model, lambda i: compiled(i, labels=i).loss, ids, steps=1)
+        assert_same_training(eager, got)
+        compiled_segments.append(cache.STATS.compiles + cache.STATS.loads)
+    assert compiled.stats.compiles == 2
+    assert compiled_segments[1] == compiled_segments[2] == compiled_segments[3]
+    symbolic = compiled.programs()[-1]
+    for half in (symbolic.forward, symbolic.backward):
+        bodies = lowered_bodies(half.graph_module)
+        assert len(bodies) == hf.LAYERS and all(b is bodies[0] for b in bodies)
+        assert segments(bodies[0]) and all(s.compiled is not None for s in segments(bodies[0]))
 
 
 @pytest.mark.slow

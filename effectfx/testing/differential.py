@@ -123,6 +123,28 @@ def compare(name: str, eager: RunResult, got: RunResult, rtol: float = 1e-5, ato
         raise EagerMismatch(f"[{name}] " + "\n".join(problems))
 
 
+def pinned_sizes(compiled: Any, known: set[int], calls: list[tuple[str, tuple]]) -> tuple[list[str], str]:
+    """Why ``compiled``'s programs other than ``known`` (by ``id``) may not serve every one of ``calls``
+    ((name, args)): an op of their capture that pinned a size (``efx.explain``'s "specialized"), or a shape
+    guard a call's sizes break (Note [Symbolic shapes]); and a description of those programs."""
+    reports = efx.explain(compiled).programs  # (in the order of ``programs()``)
+    pinned, described = [], []
+    for program, report in zip(compiled.programs(), reports):
+        if id(program) in known:
+            continue
+        described.append(f"{report.title}: {report.why}; symbolic {list(report.symbolic)}, "
+                         f"guards {list(report.shape_guards)}")
+        pinned += [f"{report.title}: {text}" for text in report.specialized]
+        signature = (program.forward if isinstance(program, efx.TrainingProgram) else program).signature
+        for name, args in calls if signature.checks is not None else ():
+            leaves = tree_flatten(args)[0]
+            failed = signature.checks.failed([leaves[i] for i, _ in signature.tensor_meta])
+            if failed:
+                pinned.append(f"{report.title}: {name} breaks its shape guards "
+                              f"({', '.join(signature.guard_text(g) for g in failed)})")
+    return pinned, "\n".join(described)
+
+
 def check_against_eager(fn: Callable[..., Any], *args: Any, forms: tuple[str, ...] | None = None,
                         compile: bool = True, calls: int = 2, **kwargs: Any) -> RunResult:
     """Run ``fn`` in eager, through every form in ``FORMS`` (or ``forms``) and through ``efx.compile``

@@ -374,5 +374,11 @@ def load_source(src: str, filename: str | None = None) -> dict[str, Any]:
     return namespace
 
 
-def build_source(src: str, variant: int = 0, filename: str | None = None) -> tuple[torch.nn.Module, tuple]:
-    return load_source(src, filename)["make"](variant)
+def build_source(src: str, variant: int = 0, filename: str | None = None, batch: int | None = None
+                 ) -> tuple[torch.nn.Module, tuple]:
+    """The model and arguments ``make(variant)`` of a program's source builds; with ``batch``, arguments of
+    that batch size (``make`` reads the module-level ``B`` when it runs; the model depends on ``D`` only)."""
+    namespace = load_source(src, filename)
+    if batch is not None:
+        namespace["B"] = batch
+    return namespace["make"](variant)
