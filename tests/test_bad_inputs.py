@@ -787,3 +787,16 @@ def test_a_saved_tensor_updated_in_place_is_refused_before_any_effect() -> None:
                                                                     r"modified by an inplace operation"):
         efx.compile(f)(torch.randn(2, 4, requires_grad=True) * 1.0)
     assert log == []
+
+
+def test_an_input_that_needs_a_gradient_the_program_was_not_captured_for_is_refused() -> None:
+    """A Program captured for an input without grad has no backward for it: run on one that requires grad
+    it would hand back no gradient, silently.  (Without grad mode nothing is differentiated: it runs.)"""
+    w = torch.randn(3, requires_grad=True)
+    prog = efx.capture(lambda x: (x * w).sum(), torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    with recording() as log, pytest.raises(efx.SignatureMismatchError, match=r"captured as float32\[3\]"):
+        prog(x)
+    assert log == []
+    with torch.no_grad():
+        assert torch.allclose(prog(x), (x * w).sum())

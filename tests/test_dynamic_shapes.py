@@ -93,6 +93,24 @@ def test_a_longer_sequence_than_the_positions_fails_as_in_eager() -> None:
     assert compiled.stats.compiles == 2  # no guard failed: the symbolic program ran and raised
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_generation_grows_a_token_a_call_in_two_captures(kind: str) -> None:
+    """``model.generate`` without a cache calls the forward on one more token each step: the first call is
+    static, the second symbolic, and that program makes every later token."""
+    model = hf.build(kind).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, hf.VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    options = {"max_new_tokens": 16, "do_sample": False, "use_cache": False, "pad_token_id": 0}
+    with recording() as want:
+        expected = reference.generate(ids, **options)
+    model.forward = compiled = efx.compile(model.forward)
+    with recording() as got:
+        tokens = model.generate(ids, **options)
+    assert torch.equal(tokens, expected) and tokens.shape[1] == 5 + 16
+    assert got == want and len(got) == 16 * hf.LAYERS
+    assert compiled.stats.compiles == 2
+
+
 # -- the structure: a golden graph of a symbolic body -----------------------------------------------------
 class Block(torch.nn.Module):
     def __init__(self, name: str) -> None:
@@ -165,6 +183,33 @@ def test_golden_symbolic_region_body() -> None:
         with recording() as want:
             expected = model(x)
         assert got == want == [("record_memory", n) for n in "aab"] and _close(out, expected)
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_every_form_of_a_symbolic_training_program_verifies_and_matches_eager(input_grad: bool) -> None:
+    """Without grad on the input, the first call of region ``a`` is promoted: its backward is the body's
+    without the input's gradient (``_backward_skip0``), a variant under the same identifier."""
+    model = Two()
+    spec = {"x": {0: torch.export.Dim("b"), 1: torch.export.Dim("s")}}
+    example = torch.randn(3, 5, 4, requires_grad=input_grad)
+    functionalized = efx.capture(model, example, dynamic_shapes=spec)
+    forms = {"captured": efx.capture(model, example, functionalize=False, dynamic_shapes=spec),
+             "functionalized": functionalized, "unlifted": efx.unlift_tokens(functionalized),
+             "token-free": efx.remove_effect_tokens(functionalized)}
+    weight = model.a.lin.weight
+    for name, prog in forms.items():
+        efx.verify(prog)
+        for shape in [(2, 7, 4), (5, 3, 4)]:
+            x = torch.randn(shape, requires_grad=input_grad)
+            wrt = [weight, x] if input_grad else [weight]
+            with recording() as got:
+                out = prog(x)
+                grads = torch.autograd.grad(out.sum(), wrt)
+            with recording() as want:
+                expected = model(x)
+                expected_grads = torch.autograd.grad(expected.sum(), wrt)
+            assert got == want and _close(out, expected), (name, shape)
+            assert all(_close(a, b) for a, b in zip(grads, expected_grads)), (name, shape)
 
 
 # -- sizes as effect arguments ----------------------------------------------------------------------------

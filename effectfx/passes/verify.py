@@ -316,7 +316,10 @@ class _Verifier:
         # a cond's backward branch calls a region's forward and backward body (Note [Control flow])
         direction = (body.meta.get("effectfx_region", (None,) * 4)[3]
                      if isinstance(body, fx.GraphModule) else None)
-        if self.bodies.setdefault((identifier, direction), id(body)) != id(body):
+        # a body's backward has variants of its own, under its identifier: for some outputs only (Note
+        # [Partial backward]), without a promoted operand's gradient (``_skip0``)
+        variant = attr.target.rpartition("_backward")[2] if isinstance(attr, fx.Node) else ""
+        if self.bodies.setdefault((identifier, direction, variant), id(body)) != id(body):
             check.fail(node, f"identifier {identifier!r} names two different subgraphs.",
                        "one identifier is one traced body (Note [Region identity])")
         keys = tuple(sorted(self.keys_of(body)))
