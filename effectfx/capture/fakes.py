@@ -18,6 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
+from ..graph.symbols import expr_of
+
 aten = torch.ops.aten
 
 
@@ -60,6 +62,46 @@ def _constant_pad_nd(x: torch.Tensor, pad: list[Any], value: Any = 0) -> torch.T
     return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
 
 
-SYMBOLIC_FAKES: dict[Any, Callable[..., torch.Tensor]] = {
+def _contiguous(t: torch.Tensor) -> bool:
+    """Contiguous by the expressions of its strides (asking the symbols would guard)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        size = expr_of(size)
+        if size != 1 and expr_of(stride) != expected:
+            return False
+        expected = expected * size
+    return True
+
+
+_FLOATS = (torch.float32, torch.float64)  # where CPU's mean and rstd keep the input's dtype
+
+
+def _plain(t: Any) -> bool:
+    return t is None or (t.dtype in _FLOATS and _contiguous(t))
+
+
+def _native_layer_norm(x: torch.Tensor, normalized_shape: list[Any], weight: Any, bias: Any,
+                       eps: float) -> Any:
+    """torch's reference decomposes into some twenty ops per call, each slow on symbolic sizes; its results
+    are the input's layout (contiguous here) and keep-dim statistics."""
+    if not (x.device.type == "cpu" and all(map(_plain, (x, weight, bias)))):
+        return NotImplemented
+    axis = x.dim() - len(normalized_shape)
+    stats = [*x.shape[:axis], *([1] * len(normalized_shape))]
+    return tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape in (x.shape, stats, stats))
+
+
+def _native_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, normalized_shape: list[Any], mean: Any,
+                                rstd: Any, weight: Any, bias: Any, output_mask: list[bool]) -> Any:
+    if not (x.device.type == "cpu" and all(map(_plain, (grad, x, weight, bias)))):
+        return NotImplemented
+    like = [x, weight, bias]
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if t is not None and m else None
+                 for t, m in zip(like, output_mask))
+
+
+SYMBOLIC_FAKES: dict[Any, Callable[..., Any]] = {
     aten.constant_pad_nd.default: _constant_pad_nd,
+    aten.native_layer_norm.default: _native_layer_norm,
+    aten.native_layer_norm_backward.default: _native_layer_norm_backward,
 }

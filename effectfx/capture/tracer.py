@@ -396,7 +396,9 @@ class Tracer(TorchDispatchMode):
         replacements = self.shape_env.replacements
         before = len(replacements)
         fake = SYMBOLIC_FAKES.get(func)
-        out = fake(*args, **kwargs) if fake is not None else func(*args, **kwargs)
+        out = fake(*args, **kwargs) if fake is not None else NotImplemented
+        if out is NotImplemented:  # (a case the fake does not take: torch's own)
+            out = func(*args, **kwargs)
         if len(replacements) != before:
             pinned = [f"{s} = {v}" for s, v in list(replacements.items())[before:] if v.is_number]
             if pinned:
