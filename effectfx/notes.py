@@ -170,6 +170,16 @@ An input that requires grad is a leaf of the trace's autograd; user code gets a 
 caller's tensor is not a leaf, so in-place updates of intermediates differentiate as in eager.  Updating a
 leaf that requires grad is refused, as eager refuses it; so is updating an operand another operand aliases.
 
+*Containers.*  The tensors inside an argument's lists, dicts and pytree-registered objects (transformers'
+caches: ``effectfx.program.containers``) are inputs like any other.  Code that changes such a container --
+``xs.append(t)``, ``cache.update(k, v)`` rebinding ``cache.layers[i].keys`` to a longer tensor -- changes a
+copy the trace made, so a graph whose code changed top-level arguments' containers returns
+``(out, their new states)``: the new tensors are outputs after the others, an unchanged one is the input
+handed back.  A region's call site then puts those states into the caller's own containers (so the
+caller's later code reads the new tensors), and the root's caller does so after each run
+(``Program.finish``), keeping the caller's objects: ``outputs.past_key_values is cache``, as in eager.  A
+change that puts anything but tensors and plain values into an argument is refused.
+
 Note [Symbolic shapes]
 ~~~~~~~~~~~~~~~~~~~~~~
 A capture may take some sizes of its arguments as *symbols*: its fake tensors then come from a fake mode

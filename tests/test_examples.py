@@ -49,6 +49,15 @@ def test_gpt2_memory_example() -> None:
     assert "region MemoryRecorded.forward: 1 body, 4 calls; effects ['memory']" in out
 
 
+def test_generate_example() -> None:
+    proc = run_script("examples/generate.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for cache, captures in (("DynamicCache", 3), ("StaticCache", 2)):
+        assert (f"{cache}: tokens identical to eager: True; effect log identical: True (64 records); "
+                f"{captures} captures; 4 bodies") in out
+
+
 def test_tensor_parallel_example() -> None:
     proc = run_script("examples/tensor_parallel.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -774,13 +774,27 @@ def test_error_inside_a_library_points_at_the_users_call(tmp_path: Path) -> None
     sys.modules.pop("efxlostlib", None)
 
 
-def test_transformers_cache_return_points_at_the_users_call() -> None:
+def test_a_transformers_cache_is_returned_as_eager_returns_it() -> None:
+    """A model that makes its own ``DynamicCache`` (``use_cache=True``, no cache passed) returns it: pytree
+    knows transformers' caches once a capture ran (Note [Mutations], containers)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
                                      use_cache=True, attn_implementation="eager", bos_token_id=0,
                                      eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config).eval()
-    with pytest.raises(efx.UnsupportedReturnError, match="DynamicCache") as info:
-        efx.capture(model, torch.randint(0, 50, (1, 4)))  # <- hfcall
-    assert f"called at {__file__}:{line_of('hfcall').split(':')[1]}" in str(info.value)
-    assert "use_cache=False" in str(info.value)
+    ids = torch.randint(0, 50, (1, 4))
+    out, expected = efx.capture(model, ids)(ids), model(ids)
+    assert type(out.past_key_values) is type(expected.past_key_values)
+    for a, b in zip(out.past_key_values.layers, expected.past_key_values.layers):
+        assert torch.allclose(a.keys, b.keys) and torch.allclose(a.values, b.values)
+
+
+class MyCache:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_returning_an_object_pytree_does_not_know_points_at_the_users_call() -> None:
+    with pytest.raises(efx.UnsupportedReturnError, match="MyCache") as info:
+        efx.capture(lambda x: MyCache(x + 1), torch.randn(2))  # <- mycache
+    assert "register_pytree_node" in str(info.value)

@@ -415,7 +415,8 @@ def test_region_method_called_twice_on_one_module_shares_its_body() -> None:
     assert bodies_of(prog) == 1
 
 
-def test_region_appending_to_a_list_argument_is_refused() -> None:
+def test_region_appending_to_a_list_argument_updates_the_caller_s_list() -> None:
+    """Once refused; now the caller's list is written back (Note [Mutations], containers)."""
     @efx.region
     def collect(x, out):
         out.append(x * 2)
@@ -424,9 +425,22 @@ def test_region_appending_to_a_list_argument_is_refused() -> None:
     def f(x):
         out = [x]
         y = collect(x, out)
-        return y + out[-1]
+        return y + out[-1], len(out)
 
-    with pytest.raises(efx.UnsupportedMutationError, match="region 'collect'.*changes"):
+    check_against_eager(f, torch.randn(3, requires_grad=True))
+
+
+def test_region_putting_a_module_into_a_list_argument_is_refused() -> None:
+    @efx.region
+    def collect(x, out):
+        out.append(torch.nn.Identity())
+        return x + 1
+
+    def f(x):
+        out = []
+        return collect(x, out) + len(out)
+
+    with pytest.raises(efx.UnsupportedMutationError, match="region 'collect'.*changes argument 1"):
         efx.capture(f, torch.randn(3))
 
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_leaf
 
 from ..errors import UnsupportedMutationError
 from ..graph.source import definition
+from ..program.containers import changed, snapshot, value_at
+
+# what a graph returns besides tensors
+PLAIN_LEAVES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
 
 
 def map_structure(fn: Any, value: Any) -> Any:
@@ -56,17 +61,52 @@ def leaf_names(fn: Any, args: tuple, kwargs: dict, nested: str = "{base}_{rest}"
     return names
 
 
-def check_containers_unchanged(where: str, fn: Any, names: list[str], spec: Any, leaves: list[Any],
-                               args: tuple, kwargs: dict) -> None:
-    """A trace runs on copies of the caller's lists and dicts: one that the code changed (``z.append``)
-    would leave the caller's unchanged, so it is refused rather than silently lost."""
-    after, after_spec = tree_flatten((args, kwargs))
-    if after_spec == spec and len(after) == len(leaves) and all(a is b for a, b in zip(after, leaves)):
+def check_containers_unchanged(where: str, fn: Any, before: dict, args: tuple, kwargs: dict,
+                               written: tuple = ()) -> None:
+    """A trace runs on copies of the caller's containers: one the code changed is written back when its
+    new state is tensors and plain values (``written``: Note [Mutations], ``program.containers``); any
+    other change (a module put into a list) would leave the caller's unchanged, so it is refused rather
+    than silently lost.  ``before``: ``containers.snapshot`` of the arguments."""
+    lost = [p for p in changed(before, args, kwargs) if p not in written]
+    if not lost:
         return
-    changed = next((names[i] for i, (a, b) in enumerate(zip(after, leaves)) if a is not b), None)
-    what = f"argument {changed!r}" if changed and after_spec == spec else "a list or dict argument"
+    kind, name = lost[0]
+    what = f"argument {name!r}" if kind == "kwarg" else f"argument {name}"
     raise UnsupportedMutationError(
-        f"{where} (defined at {definition(fn)}) changes {what} in place (append, item assignment...).\n"
-        "effectfx cannot write Python containers back to the caller, so the change would be lost. Return "
-        "the new values instead and update the container outside the captured code."
+        f"{where} (defined at {definition(fn)}) changes {what} in place (append, item assignment...) to "
+        "hold something other than tensors and plain values.\neffectfx writes back containers of tensors "
+        "only, so the change would be lost. Return the new values instead and update the container outside "
+        "the captured code."
     )
+
+
+def written_state(before: dict, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """The changed top-level arguments that can be written back (containers of tensors and plain values),
+    and their new values: what a traced graph returns after its own outputs (Note [Mutations])."""
+    def writable(p: Any) -> bool:
+        leaves = tree_flatten(value_at(args, kwargs, p))[0]
+        return all(isinstance(leaf, (torch.Tensor, *PLAIN_LEAVES)) for leaf in leaves)
+
+    moved = tuple(p for p in changed(before, args, kwargs) if writable(p))
+    return moved, tuple(value_at(args, kwargs, p) for p in moved)
+
+
+class WrittenState:
+    """What :func:`with_written_state`'s run found: the arguments before, and those it writes back."""
+
+    def __init__(self, before: dict) -> None:
+        self.before = before
+        self.positions: tuple = ()
+
+
+def with_written_state(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, WrittenState]:
+    """``fn(*args, **kwargs)`` to trace, returning ``(out, new states)`` when the code changed containers of
+    its arguments that can be written back (Note [Mutations]); ``WrittenState.positions`` says which."""
+    state = WrittenState(snapshot(args, kwargs))
+
+    def run() -> Any:
+        out = fn(*args, **kwargs)
+        state.positions, values = written_state(state.before, args, kwargs)
+        return (out, values) if state.positions else out
+
+    return run, state

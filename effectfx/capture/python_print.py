@@ -28,17 +28,21 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
+import logging
 import operator
 import re
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import ops
+from ..graph.source import user_location
+from ..graph.symbols import is_symbolic
 from . import print_options
 from .print_op import ORIGINAL_PRINT as _ORIGINAL_PRINT
 from .print_op import ORIGINAL_REPR as _ORIGINAL_REPR
@@ -97,6 +101,7 @@ class _Capture:
         self.tracer = tracer
         self.marked: dict[int, tuple[torch.Tensor, str, str]] = {}  # id -> (tensor, "r"|"f", format spec)
         self.options = print_options.Shadow(self._record)
+        self.as_text = False
 
     def _record(self, op: Any, args: tuple) -> None:
         if self.tracer.builders and self.tracer.recording:
@@ -116,7 +121,11 @@ class _Capture:
         if not plain or not tracer.builders or not tracer.recording:
             # print's own errors (a non-str sep), or code that runs outside any graph
             return _ORIGINAL_PRINT(*args, sep=sep, end=end, file=file, flush=flush)
-        text = sep.join(str(a) for a in args) + end
+        self.as_text = True  # a size turned into text here is the example's (``_sym_repr``)
+        try:
+            text = sep.join(str(a) for a in args) + end
+        finally:
+            self.as_text = False
         if file is None or file is sys.stdout:
             stream = 1
         elif file is sys.stderr:
@@ -248,8 +257,45 @@ def _format(self: torch.Tensor, format_spec: str) -> str:
     return capture.mark(self, "r")
 
 
+# -- sizes as text (Note [Symbolic shapes]) -------------------------------------------------------------
+# A symbolic size has no value at capture; text made of it (``print(x.shape)``, ``f"n={x.shape[0]}"``)
+# would show the symbol's name at every run.  Text the captured code makes of a size pins the size to the
+# example's value -- a shape guard: another size captures anew, and prints its own -- and efx.explain names
+# it.  torch's and effectfx's own text (logs, messages) leaves sizes alone.
+_LIBRARIES = tuple(str(p) for p in (Path(torch.__file__).parent, Path(__file__).parents[1],
+                                    Path(logging.__file__).parent))
+
+
+def _pinned(self: Any) -> Any:
+    capture = _current()
+    if capture is None or not is_symbolic(self):
+        return None
+    if not capture.as_text and sys._getframe(2).f_code.co_filename.startswith(_LIBRARIES):
+        return None
+    symbol = self.node.expr
+    value = self.node.pytype(self)  # (guards: the program serves this value only)
+    capture.tracer.specialized.append(f"text made of the size {symbol} at {user_location()} made {symbol} = "
+                                      f"{value}")
+    return value
+
+
+def _sym_patches(cls: type) -> tuple:
+    original_repr, original_format = cls.__repr__, cls.__format__
+
+    def repr_(self: Any) -> str:
+        value = _pinned(self)
+        return original_repr(self) if value is None else repr(value)
+
+    def format_(self: Any, spec: str) -> str:
+        value = _pinned(self)
+        return original_format(self, spec) if value is None else format(value, spec)
+
+    return (cls, "__repr__", original_repr, repr_), (cls, "__format__", original_format, format_)
+
+
 _PATCHES = ((builtins, "print", _ORIGINAL_PRINT, _print), (torch.Tensor, "__repr__", _ORIGINAL_REPR, _repr),
-            (torch.Tensor, "__format__", _ORIGINAL_FORMAT, _format))
+            (torch.Tensor, "__format__", _ORIGINAL_FORMAT, _format),
+            *(patch for cls in (torch.SymInt, torch.SymFloat, torch.SymBool) for patch in _sym_patches(cls)))
 
 
 def _install() -> None:

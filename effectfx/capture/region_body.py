@@ -23,7 +23,7 @@ from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, mod
 from ..regions.label import raw
 from ..regions.promotion import history_guards, refusal_after_trace
 from ..regions.reads import Reads, recording, report_read
-from .arguments import check_containers_unchanged, leaf_names
+from .arguments import check_containers_unchanged, leaf_names, with_written_state
 from .call_site import CallSite
 from .trace import Scope, trace_graph
 from .tracer import Tracer
@@ -73,10 +73,11 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
         with label_mode, recording(reads):
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
-            traced = trace_graph(scope, lambda: region.fn(*body_args, **body_kwargs),
-                                 f"region {region.name!r}", region.name, region.fn, grad_outputs)
-        check_containers_unchanged(f"region {region.name!r}", region.fn, names, spec, new_leaves,
-                                   body_args, body_kwargs)
+            run, written = with_written_state(region.fn, body_args, body_kwargs)
+            traced = trace_graph(scope, run, f"region {region.name!r}", region.name, region.fn, grad_outputs)
+            traced.written_args = written.positions
+        check_containers_unchanged(f"region {region.name!r}", region.fn, written.before, body_args,
+                                   body_kwargs, written.positions)
     finally:
         tracer.region_stack.pop()
         torch.clear_autocast_cache()

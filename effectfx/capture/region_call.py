@@ -18,6 +18,7 @@ from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationErro
 from ..graph.meta import TensorMeta, TracedGraph, tangents_of
 from ..graph.source import definition, user_location
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..program.containers import value_at, write_into
 from ..regions.cache import RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
@@ -186,7 +187,12 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     for k, j in traced.passthrough().items():
         outs[k] = operands[j]
     out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
-    return out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
+    result = out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
+    if traced.written_args:  # the caller's containers take the states the body left them in
+        result, states = result
+        for where, new in zip(traced.written_args, states):
+            write_into(value_at(args, kwargs, where), new)
+    return result
 
 
 # -- torch.func (Note [Region identity]: a body is traced once, on plain tensors) ---------------------

@@ -28,11 +28,10 @@ from ..graph.source import in_library, return_lines, trim_traceback, user_locati
 from ..graph.walk import eliminate_dead_code
 from ..regions.label import raw
 from ..regions.labels import BodyLabels
+from .arguments import PLAIN_LEAVES
 from .graph_builder import GraphBuilder
 from .tracer import Tracer
 from .unsupported import unsupported_operator
-
-_CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
 
 
 def placeholder_name(name: str) -> str:
@@ -170,14 +169,15 @@ def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str
         if isinstance(leaf, torch.Tensor):
             layout.append(("tensor", len(tensors)))
             tensors.append(leaf)
-        elif isinstance(leaf, _CONSTANT_TYPES):
+        elif isinstance(leaf, PLAIN_LEAVES):
             layout.append(("const", leaf))
         else:
             # a library's function (a transformers model's forward) returns through its decorators: point
             # at the user's call instead
             at = f"called at {user_location()}" if fn is None or in_library(fn) else f"at {return_lines(fn)}"
             cache = type(leaf).__name__.endswith("Cache")
-            hint = " (a transformers model: pass use_cache=False)" if cache else ""
+            hint = (" (a cache class pytree does not know: register it with "
+                    "torch.utils._pytree.register_pytree_node)") if cache else ""
             raise UnsupportedReturnError(
                 f"{where} returned a {type(leaf).__name__} ({leaf!r:.60}) {at}; effectfx graphs can return "
                 "tensors, numbers, strings and None inside tuples, lists and dicts. Return tensors (or a "

@@ -6,7 +6,10 @@ Generates ``--programs`` random programs (``effectfx.testing.generator``, driven
 gradients, effect logs (what the program prints included), and the arguments and buffers after every call
 (programs update both in place) -- also over a sequence of calls with module hooks registered or removed
 between them, on the eager model and the compiled one alike; a program effectfx must refuse (a region
-changing its list argument, an update of a leaf that requires grad) must be refused by every form.  Prints
+changing its list argument, an update of a leaf that requires grad) must be refused by every form.  With
+``--sizes``, each compiled program is then called on inputs of other batch sizes, and so is one compiled
+with ``dynamic=True`` (Note [Symbolic shapes]): each call compared with eager's, and the captures counted
+(one symbolic capture for all the sizes; more only where a capture pinned a size, reported).  Prints
 a progress bar on stderr and a summary on stdout; on any failure, minimizes one program per kind of failure
 and saves it as a standalone reproducer in ``--out``, and exits 1.
 """
@@ -37,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-repros", type=int, default=3,
                         help="minimize and save at most this many failures (one per kind)")
     parser.add_argument("--shrink-seconds", type=float, default=120.0, help="time budget per minimization")
+    parser.add_argument("--sizes", action="store_true",
+                        help="also call each compiled program on other batch sizes (B+1, B+3, B+2), with "
+                             "automatic dynamic and dynamic=True, comparing each call with eager and "
+                             "counting captures (about doubles the time)")
 
 
 @dataclass
@@ -45,9 +52,13 @@ class Stats:
     comparisons: int = 0
     effects_compared: int = 0
     failing_programs: int = 0
+    refused: int = 0  # programs effectfx must refuse (checked to be refused, effects unrun)
     mismatches: int = 0  # failed comparisons (outputs/gradients/effect logs)
     errors: int = 0  # exceptions on programs effectfx should support
     by_kind: Counter = field(default_factory=Counter)
+    sized: int = 0  # comparisons on other batch sizes (--sizes)
+    captures: Counter = field(default_factory=Counter)  # (where, captures for the sizes) -> programs
+    specialized: list = field(default_factory=list)  # (program number, what pinned a size)
     features: Counter = field(default_factory=Counter)
     first_failure: dict = field(default_factory=dict)  # label -> (spec, outcome)
 
@@ -107,10 +118,14 @@ def run(args: argparse.Namespace) -> int:
     def one(spec: object) -> None:
         if stats.programs >= args.programs:
             return
-        outcome = check_program(spec, forms, backend=args.backend)  # type: ignore[arg-type]
+        outcome = check_program(spec, forms, backend=args.backend, sizes=args.sizes)  # type: ignore[arg-type]
         stats.programs += 1
         stats.comparisons += outcome.comparisons
         stats.effects_compared += outcome.effects_compared
+        stats.refused += spec.refusal() is not None  # type: ignore[attr-defined]
+        stats.sized += outcome.sized
+        stats.captures.update(outcome.captures.items())
+        stats.specialized.extend((stats.programs, text) for text in outcome.specialized)
         stats.features.update(spec.features())  # type: ignore[attr-defined]
         if outcome.failures:
             stats.failing_programs += 1
@@ -140,12 +155,12 @@ def run(args: argparse.Namespace) -> int:
             if label in covered or len(saved) >= args.max_repros:
                 continue
             print(f"minimizing a program failing with {label} ...", file=sys.stderr)
-            small = shrink(spec, fails_like(frozenset([label]), forms, args.backend),
+            small = shrink(spec, fails_like(frozenset([label]), forms, args.backend, args.sizes),
                            budget_seconds=args.shrink_seconds)
-            final = check_program(small, forms, backend=args.backend)
+            final = check_program(small, forms, backend=args.backend, sizes=args.sizes)
             note = f"effectfx fuzz --seed {args.seed}: {label}\n\n" + final.report()
             path = out / f"repro_{len(saved)}_{_slug(label)}.py"
-            path.write_text(reproducer_source(small, note[:4000], args.backend))
+            path.write_text(reproducer_source(small, note[:4000], args.backend, args.sizes))
             saved.append((label, path, spec.size(), small.size()))
             covered |= final.kinds() | {label}
 
@@ -153,12 +168,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"effectfx fuzz: seed {args.seed}, {stats.programs} programs in {elapsed:.0f}s")
     print(f"  forms checked      : {', '.join(forms_run)}, "
           f"compile backend {args.backend!r} (x2, new inputs, updated parameters, hooks changed between "
-          "calls; with backward; arguments and buffers after every call)")
+          f"calls{', other batch sizes' if args.sizes else ''}; with backward; arguments and buffers after "
+          "every call)")
     print(f"  comparisons        : {stats.comparisons}")
     print(f"  effects compared   : {stats.effects_compared}")
+    if args.sizes:
+        print(f"  other batch sizes  : {stats.sized} of the comparisons (B+1, B+3, B+2; automatic dynamic "
+              "and dynamic=True)")
+        for (where, n), programs in sorted(stats.captures.items()):
+            print(f"    {programs:6d}  programs: {n} capture(s) for the sizes [{where}]")
+        print(f"  specialized        : {len(stats.specialized)} (a capture pinned a size: more captures)")
+        for number, text in stats.specialized[:5]:
+            print(f"    program {number}: {text[:300]}")
     print(f"  mismatches         : {stats.mismatches}")
     print(f"  errors             : {stats.errors}")
     print(f"  failing programs   : {stats.failing_programs}")
+    print(f"  refused programs   : {stats.refused} (to be refused by every form and efx.compile)")
     if stats.by_kind:
         print("  failures by kind   :")
         for label, n in stats.by_kind.most_common():

@@ -29,6 +29,7 @@ from ..passes.pipeline import run_passes
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from ..passes.simplify import simplify_in_place
 from ..passes.thread_tokens import discover_effects, thread_tokens
+from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
 from ..regions.identity import ambient, failed_guards, leaf_key, object_guards, object_guards_hold
@@ -255,6 +256,9 @@ class CompiledCallable:
             return (ambient(), ("tensors", len(args)), *map(_tensor_key, args), self._python_state(),
                     _same_tensors(args)), list(args)
         leaves, spec = tree_flatten((args, kwargs))
+        if any(type(leaf).__name__.endswith("Cache") for leaf in leaves):  # transformers' caches: containers
+            register_tensor_holders()
+            leaves, spec = tree_flatten((args, kwargs))
         # non-tensor values are keyed as regions key them: by type and value (1, 1.0 and True differ)
         parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf_key(leaf, labels=False)
                  for leaf in leaves]
@@ -363,8 +367,10 @@ class CompiledCallable:
         inputs = [leaves[i] for i in entry.tensor_positions]
         inputs.extend(lifted)
         if isinstance(program, TrainingProgram):
-            return forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
-        return forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
+            result = forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
+        else:
+            result = forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
+        return forward.finish(result, args, kwargs) if forward.written_args else result
 
     # -- inspection ------------------------------------------------------------------------------
     def programs(self) -> list[Program | TrainingProgram]:

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import hops  # noqa: F401  (installs the capture rules of the higher-order ops)
-from ..capture.arguments import check_containers_unchanged, leaf_names
+from ..capture.arguments import check_containers_unchanged, leaf_names, with_written_state
 from ..capture.collectives import refuse_parallel_wrappers
 from ..capture.dynamic import Dynamic, dynamic_dims
 from ..capture.dynamo_frames import frames_forgotten
@@ -27,6 +27,7 @@ from ..graph.meta import OperandSource
 from ..graph.walk import subgraphs
 from ..passes.pipeline import run_passes
 from ..passes.thread_tokens import thread_tokens
+from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
@@ -81,6 +82,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     ``dynamic`` maps a tensor leaf's index to the dimensions whose sizes are symbols (Note [Symbolic
     shapes]); the others, and every leaf it does not name, are static."""
     start = time.perf_counter()
+    register_tensor_holders()  # before any flattening: a cache argument is a container of tensors
     dynamic = {i: dims for i, dims in (dynamic or {}).items() if dims}
     tracer = Tracer(profiled(call_region) if profile_regions else call_region, symbolic=bool(dynamic))
     leaves, spec = tree_flatten((args, kwargs))
@@ -108,10 +110,10 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
                     scope.add_input(names[i], OperandSource("arg", i), fake)
                     new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
-        traced = trace_graph(scope, lambda: fn(*call_args, **call_kwargs), "the captured function", "Root",
-                             target, grad_outputs)
-        check_containers_unchanged("the captured function", target, names, spec, new_leaves, call_args,
-                                   call_kwargs)
+        run, written = with_written_state(fn, call_args, call_kwargs)
+        traced = trace_graph(scope, run, "the captured function", "Root", target, grad_outputs)
+        check_containers_unchanged("the captured function", target, written.before, call_args, call_kwargs,
+                                   written.positions)
         hook_guards = _hook_guards(owner, leaves, tracer.watcher.watched.values())
 
     cache = tracer.regions
@@ -138,7 +140,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
         bodies=bodies, guards=(*reads.guards.items(), *hook_guards), mutations=traced.mutated,
         lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
-        specialized=tuple(tracer.specialized),
+        specialized=tuple(tracer.specialized), written_args=written.positions,
     )
     if traced.backward is None:
         return forward

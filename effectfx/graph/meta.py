@@ -133,6 +133,9 @@ class TracedGraph:
     # autograd.Function of the code's own (Note [Region identity], promotion)
     out_deps: tuple[frozenset[int], ...] = ()
     custom_autograd: bool = True
+    # top-level arguments whose containers the code changed: the result is (out, their new values), which
+    # the call site writes into the caller's (Note [Mutations], ``program.containers``)
+    written_args: tuple = ()
 
     @property
     def n_outs(self) -> int:

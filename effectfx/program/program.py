@@ -23,6 +23,7 @@ from ..graph.meta import TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.walk import subgraphs
 from . import serialize
+from .containers import same_objects, value_at, write_into
 from .printing import program_text
 from .records import BodyInfo, InputSignature, PassRecord, RegionEntry
 
@@ -49,6 +50,9 @@ class Program:
     # compiled program reads it again at each call (not saved: live objects, like the guards)
     lifted_from: tuple = ()
     specialized: tuple[str, ...] = ()  # ops that pinned a symbolic size to a number (Note [Symbolic shapes])
+    # top-level arguments whose containers the code changed: the results end with their new states, which
+    # ``finish`` writes into the caller's (Note [Mutations], ``program.containers``)
+    written_args: tuple = ()
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -104,6 +108,15 @@ class Program:
         leaves = [tensor_outs[v] if kind == "tensor" else v for kind, v in self.out_layout]
         return tree_unflatten(leaves, self.out_spec)
 
+    def finish(self, result: Any, args: tuple, kwargs: dict) -> Any:
+        """The user's result; the caller's containers take the states the code left them in."""
+        if not self.written_args:
+            return result
+        result, states = result
+        written = [write_into(value_at(args, kwargs, where), new)
+                   for where, new in zip(self.written_args, states)]
+        return same_objects(result, written)
+
     def write_back(self, inputs: list[Any], outs: list[Any]) -> list[Any]:
         """Write the new values of mutated inputs into the caller's tensors, as eager's in-place ops did;
         ``outs`` holds the user's outputs then those values.  Returns the user's outputs."""
@@ -134,7 +147,7 @@ class Program:
         outs = self.run_flat(inputs)
         if self.n_extra_outputs:
             outs = outs[: len(outs) - self.n_extra_outputs]
-        return self.unflatten(self.write_back(inputs, outs))
+        return self.finish(self.unflatten(self.write_back(inputs, outs)), args, kwargs)
 
 
 class _RunTraining(torch.autograd.Function):
@@ -302,7 +315,8 @@ class TrainingProgram:
         if FUNCTORCH.peek_interpreter_stack() is not None:
             _refuse_under_torch_func(self.forward.name, inputs, training=True)
         outs = self.run_autograd(inputs)
-        return self.forward.unflatten(self.forward.write_back(inputs, list(outs)))
+        forward = self.forward
+        return forward.finish(forward.unflatten(forward.write_back(inputs, list(outs))), args, kwargs)
 
 
 def _refuse_under_torch_func(name: str, inputs: list[Any], training: bool) -> None:

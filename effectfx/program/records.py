@@ -53,8 +53,10 @@ class InputSignature:
             leaf = leaves[index]
             if not isinstance(leaf, torch.Tensor) or (
                 not _same_shape(leaf, meta) or leaf.dtype != meta.dtype or leaf.device != meta.device
-                # captured without a gradient for it: its gradient would silently be missing
-                or (leaf.requires_grad and not meta.requires_grad and torch.is_grad_enabled())
+                # captured without a gradient for it: its gradient would silently be missing (a torch.func
+                # transform's tensors are refused by the program, naming the transform)
+                or (leaf.requires_grad and not meta.requires_grad and torch.is_grad_enabled()
+                    and not torch._C._functorch.is_functorch_wrapped_tensor(leaf))
             ):
                 got = TensorMeta.of(leaf).short() if isinstance(leaf, torch.Tensor) else repr(leaf)
                 raise SignatureMismatchError(

@@ -164,7 +164,8 @@ def check_model(make: Callable[[int], tuple[torch.nn.Module, tuple]],
     outcome = Outcome()
     start = time.perf_counter()
     with _prints_to_log() as caught:
-        _check(make, forms or tuple(differential.FORMS), calls, backend, refusal, outcome,
+        # (forms=() checks efx.compile only; None: every form)
+        _check(make, tuple(differential.FORMS) if forms is None else forms, calls, backend, refusal, outcome,
                (between, sequence) if between is not None and sequence > 1 else None,
                (sizes, sized) if sizes and sized is not None else None)
     outcome.failures.extend(Failure("capture", f"warned: {type(w.message).__name__}", str(w.message))

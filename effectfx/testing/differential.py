@@ -124,21 +124,27 @@ def compare(name: str, eager: RunResult, got: RunResult, rtol: float = 1e-5, ato
 
 
 def pinned_sizes(compiled: Any, known: set[int], calls: list[tuple[str, tuple]]) -> tuple[list[str], str]:
-    """Why ``compiled``'s programs other than ``known`` (by ``id``) may not serve every one of ``calls``
-    ((name, args)): an op of their capture that pinned a size (``efx.explain``'s "specialized"), or a shape
-    guard a call's sizes break (Note [Symbolic shapes]); and a description of those programs."""
+    """Why ``compiled``'s programs other than ``known`` (by ``id``) cannot serve every one of ``calls``
+    ((name, args)) -- a shape guard a call's sizes break, or an op that pinned a size the calls vary in
+    (``efx.explain``'s "specialized", the size static in the program's signature): Note [Symbolic shapes];
+    and a description of those programs.  A program static in a varying size that names no such op
+    explains nothing: it should have made that size a symbol."""
+    inputs = [tree_flatten(args)[0] for _, args in calls]
+    varying = {(k, d) for k, leaf in enumerate(inputs[0]) if isinstance(leaf, torch.Tensor)
+               for d in range(leaf.dim()) if len({leaves[k].shape[d] for leaves in inputs}) > 1}
     reports = efx.explain(compiled).programs  # (in the order of ``programs()``)
     pinned, described = [], []
     for program, report in zip(compiled.programs(), reports):
         if id(program) in known:
             continue
         described.append(f"{report.title}: {report.why}; symbolic {list(report.symbolic)}, "
-                         f"guards {list(report.shape_guards)}")
-        pinned += [f"{report.title}: {text}" for text in report.specialized]
+                         f"guards {list(report.shape_guards)}, specialized {list(report.specialized)}")
         signature = (program.forward if isinstance(program, efx.TrainingProgram) else program).signature
-        for name, args in calls if signature.checks is not None else ():
-            leaves = tree_flatten(args)[0]
-            failed = signature.checks.failed([leaves[i] for i, _ in signature.tensor_meta])
+        if any(type(meta.shape[d]) is int for k, meta in signature.tensor_meta for d in range(len(meta.shape))
+               if (k, d) in varying):
+            pinned += [f"{report.title}: {text}" for text in report.specialized]
+        for (name, _), leaves in zip(calls, inputs) if signature.checks is not None else ():
+            failed = signature.checks.failed([leaves[k] for k, _ in signature.tensor_meta])
             if failed:
                 pinned.append(f"{report.title}: {name} breaks its shape guards "
                               f"({', '.join(signature.guard_text(g) for g in failed)})")

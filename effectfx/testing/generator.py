@@ -184,6 +184,9 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
     kinds += ["mutate", "mutate"]
     kinds = [k for k in kinds if k not in exclude]
     buffer_reads = sorted(op for op in BUFFER_READS if ctx.bn or not op.startswith("bn"))
+    prints = sorted(op for op in PRINTS if op not in exclude)  # (all of PRINTS unless one is excluded)
+    if not prints:
+        kinds = [k for k in kinds if k != "print"]
     updatable = [p for p in params if p in ctx.mutable]
     call_kinds = [k for k in CALL_KINDS if k not in exclude]
     effect_ops = [o for o in ctx.effect_ops if o[0] not in exclude] or ctx.effect_ops
@@ -229,7 +232,7 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
             j = draw(st.integers(-ctx.list_len, ctx.list_len - 1)) if op == "index" else 0
             stmt = Stmt(kind, op, (), (next(fresh),), value=float(j))
         elif kind == "print":
-            stmt = Stmt(kind, draw(st.sampled_from(sorted(PRINTS))), (a,), (), label)
+            stmt = Stmt(kind, draw(st.sampled_from(prints)), (a,), (), label)
         elif kind == "effect":
             op, _, has_out = draw(st.sampled_from(effect_ops))
             value = draw(st.sampled_from([0.5, 2.0, 3.0])) if op == "scale" else 0.0
@@ -276,8 +279,8 @@ def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
     for buffer updates, ``"bn"`` for BatchNorm, ``"mutate"`` for updating arguments in place, ``"leaf"`` for
     updating an input that is a leaf requiring grad (refused), ``"child"``
     for child modules, ``"hook"`` for module hooks, ``"backward_hook"`` for full backward hooks,
-    ``"late_hook"`` for hooks registered or removed between calls, ...) or
-    effect ops (``"scale"``, ``"logged"``, ...) that generated programs must not use."""
+    ``"late_hook"`` for hooks registered or removed between calls, ...), effect ops (``"scale"``,
+    ``"logged"``, ...) or prints (``"stats"``, ... of ``PRINTS``) that generated programs must not use."""
     exclude = frozenset(exclude)
     keys = tuple(sorted(draw(st.lists(st.sampled_from(EFFECT_KEYS), min_size=1, max_size=3, unique=True))))
     effect_ops = [op for key in (*keys, "ordered") for op in EFFECT_OPS[key]]

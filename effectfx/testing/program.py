@@ -5,8 +5,8 @@ A program is a plain data description (:class:`ProgramSpec`) that prints as stan
 exactly what ran.  A program is an ``nn.Module`` whose ``forward`` is the program body; its regions are
 ``@efx.region`` methods, ``@efx.region`` functions taking the module, or plain ``@efx.region`` functions
 (which read closed-over constant tensors instead of parameters).  A region may also take a list of tensors
-``xs``, which it reads (``xs[-1]``, ``torch.stack(xs)``) or -- refused by effectfx, which says so --
-changes (``xs.append(v)``): :meth:`ProgramSpec.refusal` names the error such a program must raise.
+``xs``, which it reads (``xs[-1]``, ``torch.stack(xs)``) or changes (``xs.append(v)``: the caller's list
+is updated as in eager, Note [Mutations]); :meth:`ProgramSpec.refusal` names the error a program must raise.
 
 State is updated in place (Note [Mutations]): the program module and a ``Block`` get buffers (``buf``, a
 float vector, and ``calls``, an int64 counter) and a ``BatchNorm1d`` in training when a body on them uses
@@ -261,13 +261,11 @@ class ProgramSpec:
         return found
 
     def refusal(self) -> str | None:
-        """The error effectfx must raise on this program instead of running it, if any: a region it calls
-        changes its list argument (the change would be lost, see ``check_containers_unchanged``)."""
-        reached = self.reached()
-        changes = any(s.kind == "change" for r in self.regions if r.name in reached for s in r.body.stmts)
-        # updating an input that is a leaf requiring grad: eager refuses it, so must effectfx
+        """The error effectfx must raise on this program instead of running it, if any: updating an input
+        that is a leaf requiring grad, which eager refuses.  (A region changing its list argument is
+        written back to the caller's list: Note [Mutations], ``effectfx.program.containers``.)"""
         leaves = {f"x{i}" for i, rg in enumerate(self.inputs) if rg}
-        return "UnsupportedMutationError" if changes or self.mutated(self.forward) & leaves else None
+        return "UnsupportedMutationError" if self.mutated(self.forward) & leaves else None
 
     def features(self) -> frozenset[str]:
         """What this program exercises (for coverage counts in the fuzz summary)."""

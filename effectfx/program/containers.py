@@ -1,0 +1,130 @@
+"""Containers an argument holds, written back (Note [Mutations]): lists, dicts and objects that hold tensors.
+
+Captured code sees the tensors inside an argument's containers as graph inputs -- pytree flattens them --
+and may change a container (``cache.update(k, v)`` rebinds ``cache.layers[i].keys`` to a longer tensor,
+``xs.append(t)``).  The graph then also returns each changed top-level argument's new state (its tensors are
+graph outputs, the rest is its spec); after a run the caller's own containers are updated in place to that
+state (:func:`write_into`), as eager's code left them, at a region's call site during capture and for the
+root at every run.  Objects that hold tensors are containers when pytree knows their class: transformers'
+``Cache`` classes are registered (with transformers' own registration for torch.export) the first time a
+capture runs with transformers imported; any other class the user registers with
+``torch.utils._pytree.register_pytree_node``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
+
+Position = tuple[str, Any]  # ("arg", index) or ("kwarg", name): a top-level argument of a call
+
+_REGISTERED: set[type] = set()
+
+
+def register_tensor_holders() -> None:
+    """Make transformers' cache classes pytree nodes, as transformers does for torch.export (once per class;
+    nothing when transformers is not imported)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache is None:
+        return
+    pending, stack = [], [cache]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if cls not in _REGISTERED and cls not in SUPPORTED_NODES:
+            pending.append(cls)
+        _REGISTERED.add(cls)
+    if pending:
+        from transformers.exporters.exporter_dynamo import register_pytree_node
+
+        for cls in pending:
+            register_pytree_node(cls)
+
+
+def positions(args: tuple, kwargs: dict) -> list[Position]:
+    return [("arg", i) for i in range(len(args))] + [("kwarg", k) for k in kwargs]
+
+
+def value_at(args: tuple, kwargs: dict, where: Position) -> Any:
+    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+
+
+def snapshot(args: tuple, kwargs: dict) -> dict[Position, tuple[list[Any], Any]]:
+    """Each top-level argument's leaves and structure, to see afterwards which the code changed."""
+    return {p: tree_flatten(value_at(args, kwargs, p)) for p in positions(args, kwargs)}
+
+
+def changed(before: dict[Position, tuple[list[Any], Any]], args: tuple, kwargs: dict) -> tuple[Position, ...]:
+    """The top-level arguments whose containers the code changed (a leaf rebound, the structure changed)."""
+    out = []
+    for p, (leaves, spec) in before.items():
+        after, after_spec = tree_flatten(value_at(args, kwargs, p))
+        if after_spec != spec or len(after) != len(leaves) or any(a is not b for a, b in zip(after, leaves)):
+            out.append(p)
+    return tuple(out)
+
+
+def write_into(old: Any, new: Any) -> Any:
+    """Make ``old`` hold what ``new`` holds, in place where ``old`` is mutable; returns what the caller's
+    value now is (``old``, or ``new`` where nothing could be updated: a tensor, a number)."""
+    if old is new or _alias(old, new):
+        return old
+    if isinstance(old, list) and isinstance(new, list):
+        common = [write_into(a, b) for a, b in zip(old, new)]
+        old[:] = common + list(new[len(common):])
+        return old
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in [k for k in old if k not in new]:
+            del old[k]
+        for k, v in new.items():
+            old[k] = write_into(old[k], v) if k in old else v
+        return old
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        for a, b in zip(old, new):
+            write_into(a, b)
+        return old
+    if type(old) is type(new) and hasattr(old, "__dict__") and type(old) in SUPPORTED_NODES:
+        # an object pytree rebuilt: the caller's object (and the objects it holds) takes its state
+        mine = old.__dict__
+        for k, v in new.__dict__.items():
+            mine[k] = write_into(mine[k], v) if k in mine else v
+        return old
+    return new
+
+
+def _alias(old: Any, new: Any) -> bool:
+    """``new`` is ``old`` handed back through autograd (a training program's outputs are new tensor
+    objects): the caller keeps its own tensor, as eager's code left it."""
+    return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.device.type != "meta"
+            and not isinstance(old, FakeTensor) and old.data_ptr() == new.data_ptr()
+            and old.shape == new.shape and old.stride() == new.stride() and old.dtype == new.dtype)
+
+
+def _is_object(value: Any) -> bool:
+    return hasattr(value, "__dict__") and type(value) in SUPPORTED_NODES and type(value) in _REGISTERED
+
+
+def same_objects(result: Any, written: list[Any]) -> Any:
+    """``result`` with each object that holds exactly the tensors of one the caller's containers were
+    written into replaced by the caller's own: the code returned the cache it was given, and eager's caller
+    gets that very object back (``outputs.past_key_values is cache``)."""
+    mine = [(w, tree_flatten(w)[0]) for w in written if _is_object(w)]
+    if not mine:
+        return result
+    leaves, spec = tree_flatten(result, is_leaf=_is_object)
+    for k, leaf in enumerate(leaves):
+        if _is_object(leaf):
+            held = tree_flatten(leaf)[0]
+            for obj, tensors in mine:
+                if type(obj) is type(leaf) and len(held) == len(tensors) and all(
+                        a is b for a, b in zip(held, tensors)):
+                    leaves[k] = obj
+                    break
+    return tree_unflatten(leaves, spec)
