@@ -417,3 +417,39 @@ def test_compiled_under_inference_mode_like_eager() -> None:
             assert got.is_inference() and not got.requires_grad
     assert compiled(x).requires_grad  # grad mode: another signature, a training program
     assert compiled.stats.compiles == 2
+
+
+class _View:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+    @property
+    def view(self) -> _View:  # a new object at every read, as transformers' config.per_layer_config
+        return _View(self.scale)
+
+
+class _Viewed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _Config()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.config.view.scale
+
+
+def test_a_property_making_a_new_object_per_read_is_guarded_by_what_is_read_through_it() -> None:
+    """Once guarded by identity, which a fresh object fails at every call: every call captured again."""
+    model = _Viewed()
+    compiled = efx.compile(model)
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        assert torch.allclose(compiled(x), model.lin(x) * 2.0)
+    assert compiled.stats.compiles == 1
+    model.config.scale = 3.0  # read through the view: a guard of the program
+    assert torch.allclose(compiled(x), model.lin(x) * 3.0) and compiled.stats.compiles == 2

@@ -152,6 +152,20 @@ def satisfies(value: Any, expect: tuple) -> bool:
     return value is MISSING  # "missing"
 
 
+def _fresh_each_read(owner: Any, step: Any, value: Any) -> bool:
+    """Whether reading attribute ``step`` of ``owner`` again gives another object (read unrecorded)."""
+    if not isinstance(step, str):
+        return False
+    stack = getattr(_LOCAL, "stack", None)
+    _LOCAL.stack = []
+    try:
+        return getattr(owner, step) is not value
+    except Exception:  # noqa: BLE001 -- a property that fails the second time: keep the identity guard
+        return False
+    finally:
+        _LOCAL.stack = stack
+
+
 def class_of(value: Any) -> type:
     """The object's own class, also while it is watched (its class swapped for a recording subclass)."""
     cls = type(value)
@@ -311,7 +325,12 @@ class Reads:
                 self.guards.get(path, ("str",)) == ("str",)):
             return self.on_label(path, value)
         elif path not in self.guards:
-            self.guards[path] = expectation(value, self.structural)
+            expect = expectation(value, self.structural)
+            if expect[0] in ("is", "state") and _fresh_each_read(owner, step, value):
+                # a property that makes a new object per read (transformers' config.per_layer_config): by
+                # identity it would fail at every call; its class, and the reads through it, say it all
+                expect = ("type", class_of(value))
+            self.guards[path] = expect
         if not plain_value(value) and value is not MISSING and (not watch or self.watcher.watch(value)):
             if id(value) not in self.paths:
                 self.paths[id(value)] = path
