@@ -82,6 +82,8 @@ class RegionCall(torch.autograd.Function):
                 "differentiate a region's backward. Take that gradient outside the captured function, or "
                 "call the region's code without @effectfx.region there."
             )
+        if not any(live):  # no gradient reached it (its result fed only code under no_grad): as in eager's
+            return (None, None, None, *[None] * len(traced.grad_mask))  # engine, no formula of it runs
         if all(live):
             backward, attr, grad_meta = traced.backward, body.backward_attr, traced.grad_meta
             operands = [*ctx.saved, *tangents]
