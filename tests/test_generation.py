@@ -40,6 +40,10 @@ def test_generation_with_a_dynamic_cache(kind: str) -> None:
     compiled, _ = _generate_both(kind)
     # the prefill, the first decode step (a cache now initialized) and one symbolic program for the rest
     assert compiled.stats.compiles == 3
+    why = [p.why for p in efx.explain(compiled).programs]
+    assert why[1].startswith(f"argument structure: kwargs['cache'] (DynamicCache): 0 leaves -> "
+                             f"{2 * hf.LAYERS} leaves")
+    assert why[2].endswith("symbolic sizes (automatic dynamic: sizes changed)")
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

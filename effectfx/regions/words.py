@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import TreeSpec
 
 from ..graph.meta import TensorMeta
 from .hooks import GLOBAL, HOOKS
@@ -153,6 +154,9 @@ def part_differences(label: str, a: Any, b: Any) -> list[str]:
     if label == "ambient":
         return _ambient_differences(a, b)
     if label == "argument structure":
+        found = _spec_difference(a, b, "") if isinstance(a, TreeSpec) and isinstance(b, TreeSpec) else None
+        if found is not None:
+            return [f"argument structure: {found}"]
         return [f"argument structure: {' '.join(str(a).split())} -> {' '.join(str(b).split())}"]
     if isinstance(a, TensorMeta) and isinstance(b, TensorMeta):
         return _diff_tensor_meta(label, a, b) or [f"{label}: {a.short()} -> {b.short()}"]
@@ -162,6 +166,25 @@ def part_differences(label: str, a: Any, b: Any) -> list[str]:
             and isinstance(a[0], torch.Size) and isinstance(b[0], torch.Size)):  # a compile signature's
         return _diff_tensor_meta(label, TensorMeta(*a), TensorMeta(*b))
     return [f"argument '{label}': {_leaf_text(a)} -> {_leaf_text(b)}"]
+
+
+def _spec_difference(a: TreeSpec, b: TreeSpec, path: str) -> str | None:
+    """Where two argument structures first differ, briefly: a cache whose layers got their tensors is one
+    line, not two dumps of its pytree context."""
+    if a.type is not b.type or a.num_children != b.num_children or (
+            a.type in (dict, list, tuple) and a.context != b.context):
+        what = getattr(b.type, "__name__", str(b.type))
+        return f"{path or 'the arguments'} ({what}): {a.num_leaves} leaves -> {b.num_leaves} leaves"
+    if a.type not in (dict, list, tuple) and a.context != b.context:  # an object pytree flattens
+        return (f"{path or 'the arguments'} ({a.type.__name__}): its state changed ({a.num_leaves} tensors "
+                f"-> {b.num_leaves})")
+    keys = a.context if a.type is dict else range(a.num_children)
+    for key, ca, cb in zip(keys, a.children(), b.children()):
+        step = ("args" if key == 0 else "kwargs") if path == "" and a.type is tuple else f"{path}[{key!r}]"
+        found = _spec_difference(ca, cb, step)
+        if found is not None:
+            return found
+    return None
 
 
 def _leaf_text(part: Any) -> str:
