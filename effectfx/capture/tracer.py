@@ -20,13 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..effects import effect_of
-from ..errors import (
-    CaptureError,
-    DataDependentControlFlowError,
-    EffectfxError,
-    MissingFakeImplError,
-    UnsupportedMutationError,
-)
+from ..errors import DataDependentControlFlowError, EffectfxError, UnsupportedMutationError
 from ..graph.meta import TensorMeta
 from ..graph.source import user_location
 from ..regions.cache import RegionCache
@@ -39,6 +33,7 @@ from .constants import UNKNOWN, Constants
 from .fakes import SYMBOLIC_FAKES, fake_maker, symbolic_context
 from .graph_builder import GraphBuilder
 from .mutation import AUTO_FUNCTIONALIZED, Mutation, by_name, mutation_of, returns_written
+from .unsupported import fake_failure
 
 aten = torch.ops.aten
 
@@ -374,22 +369,8 @@ class Tracer(TorchDispatchMode):
 
                 with disable_fake_tensor_cache(self.fake_mode):
                     return self._run_fake(func, args, kwargs, key)
-            text = str(exc)
-            if "fake impl" in text or "meta" in text.lower() and "kernel" in text.lower():
-                raise MissingFakeImplError(
-                    f"{func} has no fake implementation, so effectfx cannot trace it without running it "
-                    f"(called from {self.where()} at {user_location()}).\nRegister one with "
-                    f"@<op>.register_fake (torch.library.register_fake('{func._schema.name}'))."
-                ) from None  # torch's own message says no more, under dozens of dispatcher frames
-            if "data-dependent" in text or "DynamicOutputShape" in type(exc).__name__:
-                raise DataDependentControlFlowError(
-                    f"{func} in {self.where()} has an output whose shape depends on tensor values "
-                    f"(at {user_location()}); effectfx captures static shapes only."
-                ) from None  # torch's guard failure adds only its own frames
-            raise CaptureError(
-                f"effectfx could not trace {func} in {self.where()} at {user_location()}: "
-                f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-            ) from exc
+            error, cause = fake_failure(exc, func, self.where())
+            raise error from cause
 
     def _run_symbolic(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` on fakes with symbolic sizes; a symbol it pins to a number is noted (for efx.explain)."""

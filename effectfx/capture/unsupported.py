@@ -16,7 +16,13 @@ from typing import Any
 
 from torch._ops import HigherOrderOperator
 
-from ..errors import EffectfxError, UnsupportedOperatorError
+from ..errors import (
+    CaptureError,
+    DataDependentControlFlowError,
+    EffectfxError,
+    MissingFakeImplError,
+    UnsupportedOperatorError,
+)
 from ..graph.source import user_location
 from .takeover import taken_over
 
@@ -57,3 +63,24 @@ def unsupported_operator(exc: BaseException, where: str) -> UnsupportedOperatorE
         f"{where} calls the higher-order op {name!r} (torch.ops.higher_order.{name}) at "
         f"{user_location(exc)}.\neffectfx cannot capture this higher-order op yet: {advice}."
     )
+
+
+def fake_failure(exc: Exception, func: Any, where: str) -> tuple[EffectfxError, BaseException | None]:
+    """The error naming the op for torch's failure to run ``func`` on fakes, and the cause to chain (torch's
+    own message says no more than ours for a missing fake or a data-dependent shape, under dozens of
+    dispatcher frames)."""
+    text = str(exc)
+    if "fake impl" in text or "meta" in text.lower() and "kernel" in text.lower():
+        return MissingFakeImplError(
+            f"{func} has no fake implementation, so effectfx cannot trace it without running it "
+            f"(called from {where} at {user_location()}).\nRegister one with "
+            f"@<op>.register_fake (torch.library.register_fake('{func._schema.name}'))."
+        ), None
+    if "data-dependent" in text or "DynamicOutputShape" in type(exc).__name__:
+        return DataDependentControlFlowError(
+            f"{func} in {where} has an output whose shape depends on tensor values (at {user_location()}); "
+            "effectfx captures static shapes, or sizes symbolic in its inputs' (Note [Symbolic shapes]), "
+            "never from a tensor's values. Mask instead of indexing (torch.where), or do that part outside."
+        ), None
+    return CaptureError(f"effectfx could not trace {func} in {where} at {user_location()}: "
+                        f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"), exc
