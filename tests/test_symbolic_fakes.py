@@ -92,3 +92,51 @@ def test_constant_pad_fake_is_eager_s_layout_and_pins_no_size(shape: list[int], 
     assert tuple(map(hint, out.shape)) == expected.shape
     assert tuple(map(hint, out.stride())) == expected.stride()
     assert out.dtype == expected.dtype
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(shape=shapes, dynamic=st.sets(st.integers(0, 3)), split=st.integers(0, 3), hole=st.booleans())
+def test_view_fake_matches_torch(shape: list[int], dynamic: set[int], split: int, hole: bool) -> None:
+    """A view of a contiguous tensor: flatten two neighbouring sizes, or split one off as (2, -1)."""
+
+    def make(tracer: Tracer) -> list:
+        x = tracer.symbolic_fake(torch.randn(shape), frozenset(d for d in dynamic if d < len(shape)), "x")
+        sizes = list(x.shape)
+        k = split % len(sizes)
+        if k + 1 < len(sizes):  # merge sizes k and k + 1
+            sizes[k:k + 2] = [-1 if hole else sizes[k] * sizes[k + 1]]
+        else:
+            sizes.append(1)
+        return [x, sizes]
+
+    mine, theirs, mine_guards, _ = _both(aten.view.default, make)
+    assert mine == theirs and mine_guards == 0
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(shape=shapes, dynamic=st.sets(st.integers(0, 3)), other=st.sampled_from(["same", "trailing", "ones",
+                                                                                  "number", "int", "scalar"]),
+       op=st.sampled_from([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor]),
+       integral=st.booleans())
+def test_elementwise_fake_matches_torch(shape: list[int], dynamic: set[int], other: str, op: object,
+                                        integral: bool) -> None:
+    dtype = torch.int64 if integral else torch.float32
+
+    def make(tracer: Tracer) -> list:
+        dims_ = frozenset(d for d in dynamic if d < len(shape))
+        x = tracer.symbolic_fake(torch.ones(shape, dtype=dtype), dims_, "x")
+        with tracer.fake_mode:
+            if other == "same":
+                b = torch.empty(x.shape)
+            elif other == "trailing":
+                b = torch.empty(x.shape[-1:], dtype=dtype)
+            elif other == "ones":
+                b = torch.empty([1] * (len(shape) - 1) + [x.shape[-1]])
+            elif other == "scalar":
+                b = torch.empty([], dtype=torch.float64)
+            else:
+                b = 2.5 if other == "number" else 3
+        return [x, b]
+
+    mine, theirs, mine_guards, _ = _both(op, make)
+    assert mine == theirs and mine_guards == 0

@@ -100,7 +100,59 @@ def _native_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, normalized_
                  for t, m in zip(like, output_mask))
 
 
+def _product(sizes: Any) -> Any:
+    out: Any = 1
+    for d in sizes:
+        out = out * d
+    return out
+
+
+def _view(x: torch.Tensor, size: list[Any]) -> Any:
+    """A view of a contiguous tensor whose sizes multiply to its own (as expressions: no guard): torch's
+    reference runs its general reshape algorithm, some thirty size comparisons on symbols."""
+    size = list(size)
+    holes = [i for i, d in enumerate(size) if type(d) is int and d == -1]
+    if len(holes) > 1 or not _contiguous(x):
+        return NotImplemented
+    numel = _product(x.shape)
+    if holes:
+        known = _product(d for i, d in enumerate(size) if i != holes[0])
+        if expr_of(known) == 0:
+            return NotImplemented
+        size[holes[0]] = numel // known
+    if expr_of(_product(size)) != expr_of(numel):
+        return NotImplemented  # (torch's own decides, and may guard)
+    strides, step = [], 1
+    for d in reversed(size):
+        strides.insert(0, step)
+        step = step * d
+    return x.as_strided(size, strides, x.storage_offset())
+
+
+def _elementwise(a: Any, b: Any, true_division: bool = False, **kwargs: Any) -> Any:
+    """``a op b`` where ``a`` is contiguous and ``b`` a number or a tensor that broadcasts to ``a``'s shape
+    (each of its sizes ``a``'s, by expression, or 1) and is contiguous: ``a``'s layout, the promoted dtype.
+    torch's own compares every pair of sizes through the ShapeEnv."""
+    if not isinstance(a, torch.Tensor) or kwargs.keys() - {"alpha"} or not _contiguous(a):
+        return NotImplemented
+    if isinstance(b, torch.Tensor):
+        if b.dim() > a.dim() or b.device != a.device or not _contiguous(b):
+            return NotImplemented
+        for mine, theirs in zip(reversed(a.shape), reversed(b.shape)):
+            if not (type(theirs) is int and theirs == 1) and expr_of(mine) != expr_of(theirs):
+                return NotImplemented
+    elif not isinstance(b, (int, float, bool)):
+        return NotImplemented
+    dtype = torch.result_type(a, b)
+    if true_division and not (dtype.is_floating_point or dtype.is_complex):  # 7 / 2 is 3.5
+        dtype = torch.get_default_dtype()
+    return torch.empty_strided(a.shape, a.stride(), dtype=dtype, device=a.device)
+
+
 SYMBOLIC_FAKES: dict[Any, Callable[..., Any]] = {
+    **dict.fromkeys((aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor), _elementwise),
+    aten.div.Tensor: lambda a, b, **kwargs: _elementwise(a, b, True, **kwargs),
+    aten.view.default: _view,
     aten.constant_pad_nd.default: _constant_pad_nd,
     aten.native_layer_norm.default: _native_layer_norm,
     aten.native_layer_norm_backward.default: _native_layer_norm_backward,
