@@ -102,9 +102,14 @@ def write_into(old: Any, new: Any) -> Any:
 def _alias(old: Any, new: Any) -> bool:
     """``new`` is ``old`` handed back through autograd (a training program's outputs are new tensor
     objects): the caller keeps its own tensor, as eager's code left it."""
-    return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.device.type != "meta"
-            and not isinstance(old, FakeTensor) and old.data_ptr() == new.data_ptr()
-            and old.shape == new.shape and old.stride() == new.stride() and old.dtype == new.dtype)
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.device.type != "meta"
+            and not isinstance(old, FakeTensor)):
+        return False
+    try:
+        same_memory = old.data_ptr() == new.data_ptr()
+    except RuntimeError:  # a tensor without storage of its own (a torch.func wrapper): not an alias we know
+        return False
+    return same_memory and old.shape == new.shape and old.stride() == new.stride() and old.dtype == new.dtype
 
 
 def _is_object(value: Any) -> bool:
