@@ -4,6 +4,7 @@ module -- an ``nn.Module`` that is the model for every purpose but the call (:fu
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,10 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return compiled(*args, **kwargs)
+
+    # the model's own parameters, as inspect reads them: transformers' generate passes position_ids and
+    # logits_to_keep only to a forward whose signature names them (a left-padded batch needs the former)
+    forward.__signature__ = inspect.signature(base.forward)  # type: ignore[attr-defined]
 
     def getattr_(self: Any, name: str) -> Any:
         try:
