@@ -268,4 +268,34 @@ eager's cond does, each backward branch recomputes its forward (its effects run 
 gives a gradient for every input that requires grad (zeros where the branch does not use it).  ``while_loop``
 and ``scan`` on tensors that require grad are refused: eager's backward reruns the loop body with its
 effects (while_loop) or drops the body's effects (scan).
+
+Note [Training step]
+~~~~~~~~~~~~~~~~~~~~
+A captured function may run a whole training step: ``loss.backward()``, gradient clipping, an optimizer's
+``step()`` and ``zero_grad()``, with effects anywhere between (``effectfx.capture.training_step``).
+  * *backward.*  On a capturing thread ``torch.autograd.backward`` (what ``Tensor.backward`` calls) takes
+    the gradients of the leaves the backward reaches (or of ``inputs=``) with ``torch.autograd.grad`` --
+    so the backward's ops, its region backward bodies and their effects are recorded into the root graph
+    in the engine's own order -- and accumulates them as eager's ``AccumulateGrad`` does: ``.grad`` set
+    when it is None, added in place otherwise; tensor hooks run as the engine runs them, post-accumulate
+    hooks after each accumulation.  There is no joint trace: the step's results need no gradient of their
+    own (their graph was its backward's), so the program has no backward.  A leaf the step made itself,
+    an argument that requires grad, ``create_graph=True`` and a backward inside a region are refused.
+  * *optimizers.*  torch.optim's global step hooks see every optimizer that steps.  Its step runs traced
+    with torch.compile's switches (``torch.compiler.is_compiling()``, ``capturable=True``), so that its
+    formulas use tensors rather than ``.item()`` of the step count: Adam's bias correction is then computed
+    in float32 tensor arithmetic, as under torch.compile, and agrees with eager's Python floats to ~1e-7.
+    Parameters and state tensors updated in place are mutated inputs (Note [Mutations]).
+  * *Python state.*  What the step leaves in Python state -- each parameter's ``.grad`` (the parameters
+    of the modules and optimizers the function is handed or reads from its closure and globals, one
+    attribute deep, and every leaf its backward reaches), each stepped optimizer's ``state`` entries
+    (made lazily on the first step) -- is fake while tracing.  The trace puts it back as it found it, the
+    new values are graph outputs after all others, and ``Program.state_writes`` says where each goes: the
+    program writes them after every run (``program.containers.write_state``).
+  * *guards.*  The program guards on the state it started from -- each such ``.grad`` by identity (None,
+    or the tensor it accumulates into), each optimizer state entry by identity or absence, every
+    hyperparameter in ``param_groups`` by value.  So the first step (no state yet) and the later ones are
+    two programs, and changing ``lr`` between calls captures again; a tensor ``lr`` (updated in place by
+    a scheduler) is an input and does not.  Python state the step changes that a program cannot replay --
+    a hyperparameter (an LR scheduler stepping inside), non-tensor optimizer state -- is refused.
 """

@@ -284,7 +284,11 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         tensors.extend(t for _, t in written)
         out_nodes = [builder.node_of(tracer.to_fake(t)) for t in tensors]
         out_meta = [TensorMeta.of(t) for t in tensors]
-        tangent_mask = tuple(t.requires_grad for t in tensors)
+        # a written leaf that requires grad was updated under no_grad (eager refuses it otherwise: an
+        # optimizer's step): its new value has no gradient
+        n_written = len(written)
+        tangent_mask = tuple(t.requires_grad and not (k >= len(tensors) - n_written and t.is_leaf)
+                             for k, t in enumerate(tensors))
         if not (torch.is_grad_enabled() and any(tangent_mask)):
             gm = builder.finish(out_nodes, class_name)
             scope.finish_labels(gm.graph, layout)
@@ -295,7 +299,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
                                mutated=tuple(scope.nodes.index(n) for n, _ in written))
 
         builder.phase = "backward"
-        diff_outs = [t for t in tensors if t.requires_grad]
+        diff_outs = [t for t, m in zip(tensors, tangent_mask) if m]
         if grad_outputs is not None:
             diff_outs = [t for t, live in zip(diff_outs, grad_outputs) if live]
         tangents = []

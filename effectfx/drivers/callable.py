@@ -294,6 +294,8 @@ class CompiledCallable:
                     names = self._object_names()
                     why = [guard_text(path, expect, got, names) for e in self.cache.get(key, ())
                            for path, expect, got in failed_guards(e.guards, ())]
+                    if len(why) > 4:  # (a training step's optimizer state: one guard per tensor)
+                        why[3:] = [f"and {len(why) - 3} more"]
                     dims, why_dynamic = self.shapes.dims_for(group, leaves)
                     try:
                         entry = self._compile(args, kwargs, dims)
@@ -370,7 +372,9 @@ class CompiledCallable:
             result = forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
         else:
             result = forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
-        return forward.finish(result, args, kwargs) if forward.written_args else result
+        if forward.written_args or forward.state_writes:
+            return forward.finish(result, args, kwargs)
+        return result
 
     # -- inspection ------------------------------------------------------------------------------
     def programs(self) -> list[Program | TrainingProgram]:

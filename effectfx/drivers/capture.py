@@ -22,6 +22,7 @@ from ..capture.python_print import capture_prints
 from ..capture.region_call import call_region
 from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
+from ..capture.training_step import training_step
 from ..errors import UnsupportedMutationError
 from ..graph.meta import OperandSource
 from ..graph.walk import subgraphs
@@ -32,7 +33,7 @@ from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
 from ..regions import hooks
-from ..regions.identity import ambient_context, code_reads
+from ..regions.identity import ambient_context, code_reads, object_guards, object_guards_hold
 from ..regions.reads import Reads, recording, report_read
 
 
@@ -99,9 +100,11 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         for obj in (owner, *leaves):
             if obj is not None and not isinstance(obj, torch.Tensor):
                 tracer.watcher.watch(obj)
+        closure = []
         if owner is None:  # a function's closure and globals: guarded, and where its tensors live
             for holder, step, value in code_reads(fn):
                 report_read(holder, step, value)
+                closure.append(value)
         new_leaves = list(leaves)
         with tracer.graph(scope.builder):
             for i, leaf in enumerate(leaves):
@@ -110,8 +113,9 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
                     scope.add_input(names[i], OperandSource("arg", i), fake)
                     new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
-        run, written = with_written_state(fn, call_args, call_kwargs)
-        traced = trace_graph(scope, run, "the captured function", "Root", target, grad_outputs)
+        with training_step(tracer, [owner, *leaves, *closure]) as step:  # Note [Training step]
+            run, written = with_written_state(fn, call_args, call_kwargs)
+            traced = trace_graph(scope, step.wrap(run), "the captured function", "Root", target, grad_outputs)
         check_containers_unchanged("the captured function", target, written.before, call_args, call_kwargs,
                                    written.positions)
         hook_guards = _hook_guards(owner, leaves, tracer.watcher.watched.values())
@@ -138,9 +142,11 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         traced.forward, signature, lifted, traced.out_spec, tuple(traced.out_layout),
         regions=_regions_of(traced.forward, tracer), history=record,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
-        bodies=bodies, guards=(*reads.guards.items(), *hook_guards), mutations=traced.mutated,
+        bodies=bodies, mutations=traced.mutated,
+        guards=(*[g for g in reads.guards.items() if not step.replaces(g[0])], *hook_guards, *step.guards),
         lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
         specialized=tuple(tracer.specialized), written_args=written.positions,
+        state_writes=tuple(step.targets), state_holds=_holds(step.guards) if step.targets else None,
     )
     if traced.backward is None:
         return forward
@@ -169,6 +175,11 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
 
     return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace,
                            traced.covered_by)
+
+
+def _holds(guards: list[tuple]) -> Callable[[], bool]:
+    checks = object_guards(tuple(guards))
+    return lambda: object_guards_hold(*checks)
 
 
 def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:

@@ -133,3 +133,21 @@ def same_objects(result: Any, written: list[Any]) -> Any:
                     leaves[k] = obj
                     break
     return tree_unflatten(leaves, spec)
+
+
+def write_state(targets: tuple, values: list[Any]) -> None:
+    """After a run of a compiled training step: every ``.grad`` and optimizer state entry the step set
+    (Note [Training step]).  ``targets``: ``(path, is None)`` with ``path`` a guard's path --
+    ``(("id", Ref(obj)), *steps)``, steps an attribute, ``("item", key)`` or ``("key", Ref(obj))`` --
+    whose last step is set; ``values`` the new tensors in order."""
+    found = iter(values)
+    for path, to_none in targets:
+        value = None if to_none else next(found)
+        obj = path[0][1].obj
+        for s in path[1:-1]:
+            obj = getattr(obj, s) if isinstance(s, str) else obj[s[1].obj if s[0] == "key" else s[1]]
+        last = path[-1]
+        if isinstance(last, str):
+            setattr(obj, last, value)
+        else:
+            obj[last[1].obj if last[0] == "key" else last[1]] = value

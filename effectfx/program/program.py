@@ -18,12 +18,12 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from .. import ops
-from ..errors import PartialBackwardError, UnsupportedMutationError
+from ..errors import PartialBackwardError, SignatureMismatchError, UnsupportedMutationError
 from ..graph.meta import TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.walk import subgraphs
 from . import serialize
-from .containers import same_objects, value_at, write_into
+from .containers import same_objects, value_at, write_into, write_state
 from .printing import program_text
 from .records import BodyInfo, InputSignature, PassRecord, RegionEntry
 
@@ -53,6 +53,12 @@ class Program:
     # top-level arguments whose containers the code changed: the results end with their new states, which
     # ``finish`` writes into the caller's (Note [Mutations], ``program.containers``)
     written_args: tuple = ()
+    # Python state a training step set (``.grad``, optimizer state): ``(path, is None)`` per write, the new
+    # tensors after everything else in the results (Note [Training step], ``containers.write_state``)
+    state_writes: tuple = ()
+    # whether the Python state the step starts from is still the state it was captured from (its guards;
+    # set by the capture driver for a program with state_writes: efx.capture's program refuses otherwise)
+    state_holds: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -109,7 +115,11 @@ class Program:
         return tree_unflatten(leaves, self.out_spec)
 
     def finish(self, result: Any, args: tuple, kwargs: dict) -> Any:
-        """The user's result; the caller's containers take the states the code left them in."""
+        """The user's result; the caller's containers and the step's Python state take the states the code
+        left them in."""
+        if self.state_writes:
+            result, values = result
+            write_state(self.state_writes, values)
         if not self.written_args:
             return result
         result, states = result
@@ -140,7 +150,18 @@ class Program:
         written = {id(new): inputs[i] for i, new in zip(self.mutations, outs[n_user:])}
         return [written.get(id(o), o) for o in outs[:n_user]]
 
+    def check_state(self) -> None:
+        """Refuse to run a captured training step on Python state other than the state it was captured
+        from (its first step made the optimizer's state: running it again would make it anew)."""
+        if self.state_holds is not None and not self.state_holds():
+            raise SignatureMismatchError(
+                f"{self.name!r} is a training step captured when its gradients and optimizer state were "
+                "different (Note [Training step]): the first step of an optimizer makes its state, the "
+                "next ones update it. Use efx.compile(step), which captures the program for each."
+            )
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.check_state()
         inputs = self.flat_inputs(args, kwargs)
         if FUNCTORCH.peek_interpreter_stack() is not None:  # torch.func around it: one C call otherwise
             _refuse_under_torch_func(self.name, inputs, training=False)
@@ -311,6 +332,7 @@ class TrainingProgram:
         return self._unreached_inputs[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.forward.check_state()
         inputs = self.forward.flat_inputs(args, kwargs)
         if FUNCTORCH.peek_interpreter_stack() is not None:
             _refuse_under_torch_func(self.forward.name, inputs, training=True)

@@ -95,6 +95,12 @@ class _Saver:
         return name
 
     def program(self, prog: Any, prefix: str) -> dict:
+        if prog.state_writes:
+            raise SerializationError(
+                f"{prog.name!r} is a training step: it writes gradients and optimizer state of live "
+                "objects after each run (Note [Training step]), which a file cannot hold. Save the model's "
+                "and the optimizer's state_dict() instead, and compile the step again after loading them."
+            )
         if prog.form != "token-free":
             raise SerializationError(
                 f"{prog.name!r} is in the {prog.form} form; only the token-free form is saved. Run "

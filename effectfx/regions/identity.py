@@ -175,8 +175,9 @@ def step(value: Any, s: Any) -> Any:
     if s == HOOKS:  # a module's hooks (or torch's global ones, from the GLOBAL root): regions.hooks
         found = hooks_of(value)
         return MISSING if found is None else found
-    if isinstance(s, tuple):  # ("item", key) of a dict
-        return value.get(s[1], MISSING) if isinstance(value, dict) else MISSING
+    if isinstance(s, tuple):  # ("item", key) of a dict; ("key", Ref(obj)): keyed by an object (a tensor)
+        key = s[1].obj if s[0] == "key" else s[1]
+        return value.get(key, MISSING) if isinstance(value, dict) else MISSING
     try:
         return getattr(value, s)
     except AttributeError:
