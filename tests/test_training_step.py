@@ -206,8 +206,9 @@ def test_backward_of_some_inputs_only() -> None:
     assert torch.equal(model[2].weight.grad, reference[2].weight.grad)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_real_models_train_like_eager(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "backend"), [
+    ("gpt2", "eager"), ("llama", "eager"), pytest.param("gpt2", "inductor", marks=pytest.mark.slow)])
+def test_real_models_train_like_eager(kind: str, backend: str) -> None:
     """Five steps of AdamW with gradient clipping, a memory record per layer (a region), one after the
     backward and a loss log inside the step: one body per layer region, two programs."""
 
@@ -228,7 +229,7 @@ def test_real_models_train_like_eager(kind: str) -> None:
         return model, opt, step
 
     (m1, o1, eager), (m2, o2, step) = make(), make()
-    compiled = efx.compile(step)
+    compiled = efx.compile(step, backend=backend)
     generator = torch.Generator().manual_seed(0)
     for _ in range(5):
         batch = hf.batch(kind, generator)
