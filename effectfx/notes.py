@@ -293,7 +293,8 @@ A captured function may run a whole training step: ``loss.backward()``, gradient
     new values are graph outputs after all others, and ``Program.state_writes`` says where each goes: the
     program writes them after every run (``program.containers.write_state``).
   * *guards.*  The program guards on the state it started from -- each such ``.grad`` by identity (None,
-    or the tensor it accumulates into), each optimizer state entry by identity or absence, every
+    or the tensor it accumulates into; one it never reads, as after ``zero_grad()`` at the step's start,
+    need only be a tensor), each optimizer state entry by identity or absence, every
     hyperparameter in ``param_groups`` by value.  So the first step (no state yet) and the later ones are
     two programs, and changing ``lr`` between calls captures again; a tensor ``lr`` (updated in place by
     a scheduler) is an input and does not.  Python state the step changes that a program cannot replay --

@@ -29,7 +29,7 @@ from ..errors import UnsupportedOperatorError
 from ..graph.source import user_location
 from ..regions.decorator import active_tracer
 from ..regions.identity import resolve
-from ..regions.reads import MISSING, Ref, expectation
+from ..regions.reads import MISSING, Ref, class_of, expectation
 
 _NO_GRAD = object()  # a tensor whose .grad the trace never looked at
 
@@ -37,7 +37,8 @@ _NO_GRAD = object()  # a tensor whose .grad the trace never looked at
 class TrainingStep:
     """The Python state one root capture's training step changes (Note [Training step])."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: dict[int, Any]) -> None:
+        self.read = read  # id(real tensor) -> its fake: the real tensors the trace read (Tracer.fake_of)
         self.ran_backward = False
         self.leaves: dict[int, tuple[torch.Tensor, Any]] = {}  # id(leaf) -> (leaf, its .grad before)
         # id(optimizer) -> (optimizer, its state before: {id(p): (p, dict before)}, hyperparameters before)
@@ -170,7 +171,9 @@ class TrainingStep:
                 if after is not None:
                     values.append(after)
             if stepped or after is not before:  # (a plain forward's program ignores .grad)
-                guards.append((path, _expect(before)))
+                # a gradient the trace never read (zero_grad() before the backward) need only exist
+                unread = isinstance(before, torch.Tensor) and id(before) not in self.read
+                guards.append((path, ("type", class_of(before)) if unread else _expect(before)))
         for opt, state, hyper in self.optimizers.values():
             name = type(opt).__name__
             guards.append(((("id", Ref(opt)), "state"), ("is", Ref(opt.state))))
@@ -363,7 +366,7 @@ def training_step(tracer: Any, roots: list[Any]) -> Iterator[TrainingStep]:
     """The training step of one root capture (``roots``: what its code is handed or reads, see
     :meth:`TrainingStep.begin`): its Python state is put back however the trace ends."""
     _install()
-    step = tracer.training_step = TrainingStep()
+    step = tracer.training_step = TrainingStep(tracer.fake_of)
     step.begin(roots)
     try:
         yield step
