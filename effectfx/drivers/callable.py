@@ -32,7 +32,8 @@ from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
-from ..regions.identity import ambient, failed_guards, leaf_key, object_guards, object_guards_hold
+from ..regions.guard_code import guard_checker
+from ..regions.identity import ambient, failed_guards, leaf_key
 from ..regions.reads import plain_value
 from ..regions.words import guard_text
 from .capture import trace_program
@@ -117,7 +118,7 @@ class CompiledEntry:
     why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
 
     def __post_init__(self) -> None:
-        self.checks = object_guards(self.guards)  # the same guards, split for the hot path
+        self.check = guard_checker(self.guards)  # the same guards, as code for the hot path
 
     def current_lifted(self) -> list[torch.Tensor] | None:
         """The lifted tensors as of now, or None if one no longer matches what was traced."""
@@ -271,7 +272,7 @@ class CompiledCallable:
 
     def _usable(self, entries: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
         for entry in entries:
-            if object_guards_hold(*entry.checks):
+            if entry.check():
                 lifted = entry.current_lifted()
                 if lifted is not None:
                     return entry, lifted

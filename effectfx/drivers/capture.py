@@ -33,7 +33,8 @@ from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
 from ..regions import hooks
-from ..regions.identity import ambient_context, code_reads, object_guards, object_guards_hold
+from ..regions.guard_code import guard_checker
+from ..regions.identity import ambient_context, code_reads
 from ..regions.reads import Reads, recording, report_read
 
 
@@ -146,7 +147,8 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         guards=(*[g for g in reads.guards.items() if not step.replaces(g[0])], *hook_guards, *step.guards),
         lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
         specialized=tuple(tracer.specialized), written_args=written.positions,
-        state_writes=tuple(step.targets), state_holds=_holds(step.guards) if step.targets else None,
+        state_writes=tuple(step.targets),
+        state_holds=guard_checker(tuple(step.guards)) if step.targets else None,
     )
     if traced.backward is None:
         return forward
@@ -175,11 +177,6 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
 
     return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace,
                            traced.covered_by)
-
-
-def _holds(guards: list[tuple]) -> Callable[[], bool]:
-    checks = object_guards(tuple(guards))
-    return lambda: object_guards_hold(*checks)
 
 
 def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:

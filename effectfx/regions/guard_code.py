@@ -1,0 +1,106 @@
+"""A compiled program's guards as one generated Python function, checked before every call.
+
+``identity.object_guards`` splits guards for the hot path; checked one by one in a loop, GPT-2's 219 chains
+of attribute reads (a layer's submodules, config values) cost about half a millisecond a call, most of it
+re-reading the same prefixes (``model.transformer.h``) and the loop itself.  Here the chains become a trie:
+each distinct prefix is read once, into a local variable, in straight-line code that returns False at the
+first guard that fails -- the reads and comparisons ``object_guards_hold`` makes, in the same order of
+prefixes, without the interpretation.  What the code cannot express (general paths, hooks) is checked as
+before, after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .identity import object_guards, object_guards_hold
+from .reads import MISSING, freeze, plain_value
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {"MISSING": MISSING}
+        self.of_object: dict[int, str] = {}
+        self.reads: dict[tuple, str] = {}  # (variable it reads from, step) -> the variable holding it
+
+    def constant(self, value: Any) -> str:
+        name = self.of_object.get(id(value))
+        if name is None:
+            name = self.of_object[id(value)] = f"c{len(self.of_object)}"
+            self.names[name] = value
+        return name
+
+    def read(self, holder: Any, first: str, steps: tuple[str, ...]) -> str:
+        """The variable holding ``holder``'s ``first`` then ``steps`` (each prefix read once)."""
+        source = self.constant(holder)
+        key: tuple = (source, first)
+        var = self.reads.get(key)
+        if var is None:
+            var = self.reads[key] = f"v{len(self.reads)}"
+            if type(holder) is dict:  # (a module's ``_modules`` table, a global namespace)
+                self.lines.append(f"{var} = {source}.get({first!r}, MISSING)")
+            else:
+                self.lines.append(f"{var} = getattr({source}, {first!r}, MISSING)")
+        for name in steps:
+            key = (var, name)
+            nxt = self.reads.get(key)
+            if nxt is None:
+                nxt = self.reads[key] = f"v{len(self.reads)}"
+                self.lines.append(f"{nxt} = getattr({var}, {name!r}, MISSING)")
+            var = nxt
+        return var
+
+    def same(self, var: str, value: Any) -> None:
+        self.lines.append(f"if {var} is not {self.constant(value)}: return False")
+
+    def equal(self, var: str, value: Any) -> None:
+        c = self.constant(value)
+        self.lines.append(f"if {var} is not {c} and (type({var}) is not type({c}) or {var} != {c}): "
+                          "return False")
+
+
+def _state(value: Any, obj: Any, frozen: Any) -> bool:
+    return value is obj and freeze(vars(value)) == frozen
+
+
+def guard_checker(guards: tuple) -> Callable[[], bool]:
+    """A function of no arguments: whether every guard in ``guards`` holds now (``object_guards_hold``)."""
+    fast, same, chains, rest, (empty, hooked) = object_guards(guards)
+    out = _Writer()
+    for obj, name, value in fast:
+        out.equal(out.read(obj, name, ()), value)
+    for holder, first, steps, value in same:
+        out.same(out.read(holder, first, steps), value)
+    for holder, first, steps, value in chains:
+        out.equal(out.read(holder, first, steps), value)
+    general = []
+    for path, expect in rest:
+        steps = path[1:]
+        if path[0][0] != "id" or not steps or not all(isinstance(step, str) for step in steps):
+            general.append((path, expect))
+            continue
+        var = out.read(path[0][1].obj, steps[0], steps[1:])
+        if expect[0] == "missing":  # an attribute the trace found absent (``getattr(cfg, "x", None)``)
+            out.lines.append(f"if {var} is not MISSING: return False")
+        elif expect[0] == "=" and expect[1] is tuple and plain_value(expect[2]):  # ``normalized_shape``
+            out.lines.append(f"if type({var}) is not tuple or {var} != {out.constant(expect[2])}: "
+                             "return False")
+        elif expect[0] == "state":  # an object guarded by identity and its plain state
+            out.names["_state"] = _state
+            out.lines.append(f"if not _state({var}, {out.constant(expect[1].obj)}, "
+                             f"{out.constant(expect[2])}): return False")
+        else:
+            general.append((path, expect))
+    if empty or hooked or general:  # hook tables and other paths: as object_guards_hold checks them
+        out.names["_rest"] = lambda: object_guards_hold((), (), (), tuple(general), (empty, hooked))
+        out.lines.append("return _rest()")
+    else:
+        out.lines.append("return True")
+    source = "def check():\n" + "".join(f"    {line}\n" for line in out.lines)
+    namespace = dict(out.names)
+    exec(compile(source, "<effectfx guards>", "exec"), namespace)  # noqa: S102 -- our own generated code
+    check = namespace["check"]
+    check.source = source  # type: ignore[attr-defined]  (for debugging: print(entry.check.source))
+    return check
