@@ -412,3 +412,30 @@ def test_python_state_changed_inside_is_refused_and_put_back(how: str) -> None:
     assert ("scheduler StepLR" in message and "sched.step()" in message if how == "scheduler"
             else "param_groups[0]['lr']" in message)
     assert opt.param_groups[0]["lr"] == 0.1 and lin.weight.grad is None and not opt.state
+
+
+def test_micro_batches_accumulate_in_one_step() -> None:
+    """Two backwards in one step (gradient accumulation): the second adds into the first's gradients."""
+    m1, m2 = _small(), _small()
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+
+    def stepper(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], torch.Tensor]:
+        def step(x: torch.Tensor) -> torch.Tensor:
+            for part in x.chunk(2):
+                (model(part).pow(2).mean() / 2).backward()
+                R.record_memory("micro-batch")
+            opt.step()
+            opt.zero_grad()
+            return x
+        return step
+
+    eager, compiled = stepper(m1, o1), efx.compile(stepper(m2, o2))
+    for k in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(k))
+        with recording() as want:
+            eager(x)
+        with recording() as got:
+            compiled(x)
+        assert got == want and len(got) == 2
+        _state_equal(m1, o1, m2, o2, exact=True)
+    assert compiled.stats.compiles == 1  # SGD without momentum keeps no state
