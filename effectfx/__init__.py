@@ -43,6 +43,7 @@ from .program.program import Program, TrainingProgram
 from .regions.decorator import region
 
 if TYPE_CHECKING:
+    from .backends.progress import log_compiles
     from .explanation import Explanation, explain
     from .passes.verify import verify
     from .program.program import load
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 # spared here is time a user's first ``import effectfx`` does not pay.
 _LAZY = {
     "explain": "explanation", "Explanation": "explanation", "load": "program.program",
-    "verify": "passes.verify",
+    "verify": "passes.verify", "log_compiles": "backends.progress",
 }
 
 
@@ -75,5 +76,5 @@ __all__ = [
     "UnfaithfulPrintWarning", "UnsupportedOperatorError", "UnsupportedParallelWrapperError", "capture",
     "compile",
     "effect_of", "explain", "Explanation", "mark_dynamic", "mark_static", "ops", "region", "register_effect",
-    "dead_code_elimination", "load", "remove_effect_tokens", "unlift_tokens", "verify",
+    "dead_code_elimination", "load", "log_compiles", "remove_effect_tokens", "unlift_tokens", "verify",
 ]

@@ -93,11 +93,13 @@ def guards_hold(guards: tuple[Any, ...], sizes: tuple[int, ...]) -> bool:
 
 @dataclass
 class Compiled:
-    """One variant of a segment: Inductor's artifact (None: runs un-compiled, ``why``) and its guards."""
+    """One variant of a segment: Inductor's artifact (None: runs un-compiled, ``why``), its guards, and
+    how it was made: "compiled", "loaded" (an earlier process's artifact) or "fell back"."""
 
     artifact: Any
     why: str | None = None
     guards: tuple[Any, ...] = ()
+    how: str = "compiled"
 
 
 @dataclass
@@ -205,10 +207,10 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int,
     if not hints and path.is_file():
         loaded = _load(path)
         if loaded is not None:
-            return Compiled(loaded)
+            return Compiled(loaded, how="loaded")
     for guards, saved in _index(path) if hints else ():
         if guards_hold(guards, hints) and (loaded := _load(saved)) is not None:
-            return Compiled(loaded, guards=guards)
+            return Compiled(loaded, guards=guards, how="loaded")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     try:
         examples, back = example_inputs(inputs, hints, fake_mode)
@@ -218,7 +220,7 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int,
     except Exception as e:  # noqa: BLE001 -- any Inductor failure: run the aten graph instead
         STATS.fallbacks += 1
         text = str(e).strip()
-        return Compiled(None, f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+        return Compiled(None, f"{type(e).__name__}: {text.splitlines()[0] if text else ''}", how="fell back")
     STATS.compiles += 1
     # what Inductor's choices assumed of the sizes, over z<k>
     guards = tuple(g.expr.xreplace(back) for g in fake_mode.shape_env.guards)
@@ -234,9 +236,9 @@ def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
 
 
 def compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...] = ()
-                    ) -> Compiled:
+                    ) -> tuple[Compiled, str]:
     """The variant of the segment that serves ``hints``' sizes, compiled once per process (and set of
-    guards)."""
+    guards), and how this call got it: its ``how``, or "cache hit" when found in :data:`SEGMENTS`."""
     key = _key(source, inputs)
     with _LOCK:
         variants = SEGMENTS.setdefault(key, [])
@@ -245,6 +247,6 @@ def compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tup
         if found is None:
             found = _compile(source, inputs, hints)
             variants.append(found)
-        else:
-            STATS.hits += 1
-    return found
+            return found, found.how
+        STATS.hits += 1
+    return found, "cache hit"

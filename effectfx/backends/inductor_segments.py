@@ -7,6 +7,7 @@ sizes runs the variant whose guards admit the call's sizes (:class:`SymbolicSegm
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import EffectfxWarning
+from . import progress
 from .inductor_cache import Compiled, Meta, compiled_or_why, guards_hold, input_metas, symbol
 
 
@@ -37,13 +39,17 @@ class InductorSegment(torch.nn.Module):
         self.hints = hints  # the example value of each symbol z<k> of ``inputs``
         self.where = where
         self._found: Compiled | None = None  # on first use
+        # how the first use got it ("compiled", "loaded", "cache hit", "fell back"; None: not run yet) and
+        # in how many seconds: what efx.explain shows per segment
+        self.outcome: str | None = None
+        self.compile_seconds = 0.0
         self.run: Any = None  # boxed: run([*tensors]) -> outputs; set by the first call
 
     @classmethod
     def ready(cls, source: fx.GraphModule, compiled: Any, inputs: tuple[Meta, ...]) -> InductorSegment:
         """A segment around an artifact compiled elsewhere (``compiled(*tensors)``)."""
         segment = cls(source, inputs, "a compiled graph")
-        segment._found = Compiled(compiled)
+        segment._found, segment.outcome = Compiled(compiled), "compiled elsewhere"
         return segment
 
     @property
@@ -52,15 +58,22 @@ class InductorSegment(torch.nn.Module):
         backward of a program whose callers only ever backpropagate some outputs (Note [Partial
         backward]) -- costs no compile."""
         if self._found is None:
-            self._found = compiled_or_why(self.source, self.inputs, self.hints)
+            start = time.perf_counter()
+            self._found, self.outcome = compiled_or_why(self.source, self.inputs, self.hints)
+            self.compile_seconds = time.perf_counter() - start
             if self._found.artifact is None:
                 self.fall_back(self._found.why or "")
+            progress.finished(self, self.where, self.nodes, self.outcome, self.compile_seconds,
+                              self._found.why)
         return self._found.artifact
 
+    @property
+    def nodes(self) -> int:
+        return len(self.source.graph.nodes)
+
     def fall_back(self, why: str) -> None:
-        self._found = Compiled(None, why)
-        size = len(self.source.graph.nodes)
-        warnings.warn(f"Inductor could not compile a segment of {self.where} ({size} nodes); it runs "
+        self._found, self.outcome = Compiled(None, why), "fell back"
+        warnings.warn(f"Inductor could not compile a segment of {self.where} ({self.nodes} nodes); it runs "
                       f"un-compiled. {why}", InductorFallbackWarning, stacklevel=4)
 
     @property
@@ -72,6 +85,11 @@ class InductorSegment(torch.nn.Module):
     def reason(self) -> str | None:
         """Why the segment runs un-compiled, if it does."""
         return None if self.compiled is not None else self._found.why  # type: ignore[union-attr]
+
+    @property
+    def why(self) -> str | None:
+        """:attr:`reason` as far as known: None also before the first run (it compiles nothing)."""
+        return self._found.why if self._found is not None and self._found.artifact is None else None
 
     def __call__(self, *args: torch.Tensor) -> Any:
         # a segment is effectfx's, not the user's: torch's global module hooks must not see it
@@ -158,6 +176,15 @@ class SymbolicSegment(torch.nn.Module):
         return self.first.compiled
 
     @property
+    def variants(self) -> list[InductorSegment]:
+        """The first variant and each one made for other sizes (once each; several sizes may share one)."""
+        out = [self.first]
+        for v in self.by_sizes.values():
+            if all(v is not o for o in out):
+                out.append(v)
+        return out
+
+    @property
     def reason(self) -> str | None:
         return self.first.reason
 
@@ -183,6 +210,7 @@ class SymbolicSegment(torch.nn.Module):
             variant = next((v for v in known if guards_hold(v.guards, sizes)), None)
             if variant is None:
                 variant = InductorSegment(self.source, self.inputs, self.where, sizes)
+                progress.lowered(variant)  # compiled right away, below: the count shows it
             self.by_sizes[sizes] = variant
         return variant.forward(*args)
 
@@ -191,9 +219,25 @@ def compiled_segment(source: fx.GraphModule, inputs: list[torch.Tensor], where: 
     """The segment ``source`` (canonical names, see ``_Lowering.segment``) on inputs like ``inputs`` (fakes,
     perhaps with symbolic sizes), compiled once per process, on its first use."""
     metas, hints = input_metas(inputs)
-    if hints:
-        return SymbolicSegment(source, metas, where, hints)
-    return InductorSegment(source, metas, where)
+    segment = SymbolicSegment(source, metas, where, hints) if hints else InductorSegment(source, metas, where)
+    progress.lowered(segment.first if isinstance(segment, SymbolicSegment) else segment)
+    return segment
+
+
+def segments_of(gm: torch.nn.Module) -> list[tuple[str, InductorSegment]]:
+    """The segments ``gm``'s graph calls, in call order, as (attribute, segment); a symbolic segment's
+    variants each (``segment_0``, ``segment_0 variant 2``, ...).  Reads only what was recorded: compiles
+    nothing."""
+    graph = getattr(gm, "graph", None)
+    out: list[tuple[str, InductorSegment]] = []
+    for node in graph.nodes if graph is not None else ():
+        module = getattr(gm, node.target, None) if node.op == "call_module" else None
+        if isinstance(module, InductorSegment):
+            out.append((node.target, module))
+        elif isinstance(module, SymbolicSegment):
+            out.extend((node.target if k == 0 else f"{node.target} variant {k + 1}", v)
+                       for k, v in enumerate(module.variants))
+    return out
 
 
 def _fresh(outs: Any, indices: list[int]) -> list[Any]:

@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from .. import ops
+from ..backends.inductor_segments import segments_of
 from ..capture.arguments import leaf_names
 from ..drivers.callable import CompiledCallable, CompiledEntry
 from ..drivers.capture import capture
@@ -37,7 +38,17 @@ from ..graph.walk import region_call, subgraphs
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo
 from ..regions.words import body_differences, key_differences, part_differences
-from .report import BodyReport, Explanation, GraphSize, ProgramReport, RegionReport, Stage, ident_order
+from .report import (
+    BodyReport,
+    Explanation,
+    GraphSize,
+    ProgramReport,
+    RegionReport,
+    SegmentGraph,
+    SegmentReport,
+    Stage,
+    ident_order,
+)
 
 NOTES = "Note [Region identity] in effectfx/notes.py"
 
@@ -65,6 +76,25 @@ def _graph_size(program: str, graph: str, identifier: str | None, gm: fx.GraphMo
                                             and effect_of(target) is not None):
             effects += 1
     return GraphSize(program, graph, identifier, nodes, ops_, effects, calls)
+
+
+def _segment_graphs(prog: Program | TrainingProgram) -> tuple[SegmentGraph, ...]:
+    """The Inductor segments of each graph (root, then each body) of the program and of the partial
+    backwards traced for it, with what their first runs recorded; none for other backends."""
+    programs = _halves(prog)
+    if isinstance(prog, TrainingProgram):
+        programs += [(f"backward of outputs {[i for i, m in enumerate(live) if m]}", part)
+                     for live, (part, _) in prog.partial.items()]
+    out = []
+    for half, p in programs:
+        graphs = [("root", None, p.graph_module), *subgraphs(p.graph_module)]
+        for attr, identifier, gm in graphs:
+            found = segments_of(gm)
+            region = p.regions[identifier].name if identifier in p.regions else None
+            if found:
+                out.append(SegmentGraph(half, attr, identifier, region, tuple(
+                    SegmentReport(name, s.nodes, s.outcome, s.compile_seconds, s.why) for name, s in found)))
+    return tuple(out)
 
 
 def _halves(prog: Program | TrainingProgram) -> list[tuple[str, Program]]:
@@ -197,7 +227,7 @@ def _program_report(prog: Program | TrainingProgram, title: str, fn: Any, why: s
         inputs=_describe_inputs(first, fn), token_keys=tuple(first.token_keys),
         regions=_body_reports(prog, sizes), graphs=tuple(graphs), stages=tuple(stages), why=why,
         why_differences=tuple(why_differences), compile_seconds=compile_seconds,
-        symbolic=symbolic, shape_guards=guards, specialized=first.specialized,
+        symbolic=symbolic, shape_guards=guards, specialized=first.specialized, segments=_segment_graphs(prog),
     )
 
 

@@ -79,6 +79,32 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class SegmentReport:
+    """One Inductor segment (or one variant of a symbolic one) and its compile, from its first run."""
+
+    name: str  # its attribute: "segment_0", "segment_0 variant 2"
+    nodes: int
+    outcome: str | None  # "compiled", "loaded", "cache hit", "fell back"; None: not run yet
+    seconds: float
+    why: str | None = None  # why it fell back
+
+
+@dataclass(frozen=True)
+class SegmentGraph:
+    """The Inductor segments of one graph of a program (its root, or a region body)."""
+
+    program: str  # "forward", "backward", "program", "backward of outputs [0]"
+    graph: str  # "root" or the subgraph's attribute name
+    identifier: str | None
+    region: str | None
+    segments: tuple[SegmentReport, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.segments)
+
+
+@dataclass(frozen=True)
 class ProgramReport:
     """One program (one capture, or one compiled signature)."""
 
@@ -97,6 +123,7 @@ class ProgramReport:
     symbolic: tuple[str, ...] = ()
     shape_guards: tuple[str, ...] = ()
     specialized: tuple[str, ...] = ()
+    segments: tuple[SegmentGraph, ...] = ()  # backend="inductor": the compiled segments of each graph
 
     @property
     def bodies(self) -> tuple[BodyReport, ...]:
@@ -208,6 +235,23 @@ def _render_regions(p: ProgramReport, lines: list[str], indent: str) -> None:
             lines.append(f"{indent}        why: {b.reason}")
 
 
+def _render_segments(p: ProgramReport, lines: list[str], indent: str) -> None:
+    """Compile time per graph and segment (backend="inductor"): where a long first call went."""
+    every = [s for g in p.segments for s in g.segments]
+    ran = [s for s in every if s.outcome is not None]
+    total = sum(s.seconds for s in every)
+    lines.append(f"{indent}  Inductor compile time per segment: {count(len(every), 'segment')}, "
+                 f"{len(ran)} run, {total:.2f} s")
+    rows = [["graph", "segment", "nodes", "outcome", "seconds", ""]]
+    for g in p.segments:
+        where = f"{g.program} {g.graph}" if p.training else g.graph  # as the graphs table names it
+        rows.append([where, count(len(g.segments), "segment"), "", "", f"{g.seconds:.2f} s", ""])
+        for s in g.segments:
+            seconds = f"{s.seconds:.2f} s" if s.outcome is not None else "-"
+            rows.append(["", s.name, str(s.nodes), s.outcome or "not run yet", seconds, s.why or ""])
+    lines.extend(_table(rows, [False, False, True, False, True, False], f"{indent}    "))
+
+
 def _render_program(p: ProgramReport, lines: list[str], indent: str = "") -> None:
     kind = "training program (forward + backward)" if p.training else "program"
     lines.append(f"{indent}{p.title}: {kind}, {p.form} form")
@@ -231,6 +275,8 @@ def _render_program(p: ProgramReport, lines: list[str], indent: str = "") -> Non
     lines.append(f"{indent}  time per stage:")
     rows = [[s.name + (f" ({s.program})" if s.program else ""), _ms(s.seconds)] for s in p.stages]
     lines.extend(_table([*rows, ["total", _ms(p.total_seconds)]], [False, True], f"{indent}    "))
+    if p.segments:
+        _render_segments(p, lines, indent)
 
 
 def render(e: Explanation) -> str:
@@ -251,5 +297,6 @@ def render(e: Explanation) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BodyReport", "Explanation", "GraphSize", "ProgramReport", "RegionReport", "Stage", "count",
+__all__ = ["BodyReport", "Explanation", "GraphSize", "ProgramReport", "RegionReport", "SegmentGraph",
+           "SegmentReport", "Stage", "count",
            "ident_order", "render"]
