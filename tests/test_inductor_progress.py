@@ -45,10 +45,10 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList([Block(), Block()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * 2  # a root segment before the region calls ...
+        x = (x * 2 + 1).tanh().sin() * 3  # a root segment before the region calls ...
         for block in self.blocks:
             x = block(x)
-        return x.relu()  # ... and one after them
+        return x.relu().cos().exp().neg().abs()  # ... and one after them (each more than a tiny one)
 
 
 def model() -> nn.Module:
@@ -96,7 +96,7 @@ def test_each_segment_is_logged_with_its_count_where_and_outcome(
     wheres = [r.efx_where for r in first]
     assert wheres[1].startswith("region 'Block.forward' (subgraph_") and "'forward'" in wheres[1]
     assert wheres[0] == wheres[2] == "'forward'"  # the root's segments
-    assert "compiled in" in first[0].getMessage() and "(3 nodes)" in first[0].getMessage()
+    assert "compiled in" in first[0].getMessage() and "(7 nodes)" in first[0].getMessage()
 
     compiled(X)  # runs what is compiled: nothing to say
     assert records(caplog) == []

@@ -13,8 +13,8 @@ How (see Note [Effect tokens] for why order needs care):
      ``k``.  A pure node may go to any segment between the first in which all its inputs exist and the
      last before its first reader; :func:`_fewest_segments` picks the fewest segments.  Pure work moves
      (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
-     is therefore one segment.  A segment of views only (a transpose, a detach) is not compiled: its
-     nodes run as they are.
+     is therefore one segment.  A segment of views only (a transpose, a detach), or of at most
+     ``TINY_ROOT_SEGMENT`` ops in the root graph, is not compiled: its nodes run as they are.
   2. Each segment is compiled by Inductor once per process (and loaded from disk in later processes);
   3. a segment Inductor cannot compile runs its aten graph un-compiled (the default backend's ops), with
      a warning naming the region: never a wrong result.  Both: ``effectfx.backends.inductor_segments``.
@@ -44,6 +44,9 @@ from ..program.program import Program
 from .inductor_segments import compiled_segment
 
 _RANDOM = torch.Tag.nondeterministic_seeded
+# a root segment of at most this many ops (views aside) runs un-compiled: the root runs once a step, so
+# fusing a few ops saves microseconds, and each compile costs a second or more of the first call
+TINY_ROOT_SEGMENT = 4
 
 
 def runs_in_python(node: fx.Node) -> bool:
@@ -113,7 +116,7 @@ class _Lowering:
             self.bodies[id(gm)] = self.graph(gm, f"region {region!r} ({identifier}) of {self.prog.name!r}")
         return self.bodies[id(gm)]
 
-    def graph(self, gm: fx.GraphModule, where: str) -> fx.GraphModule:
+    def graph(self, gm: fx.GraphModule, where: str, root: bool = False) -> fx.GraphModule:
         nodes = list(gm.graph.nodes)
         identifiers = {n.args[0]: n.args[1] for n in nodes if n.target is ops.invoke_subgraph}
         avail: dict[fx.Node, int] = {}
@@ -160,6 +163,7 @@ class _Lowering:
         for node in sizes:
             env[node] = new.node_copy(node, lambda n: env[n])
         self.inputs = [n for n in nodes if n.op == "placeholder"]
+        self.root = root
         emitted = 0
         for seg, group in enumerate(members):
             if group and self.segment(new, holder, env, group, f"segment_{emitted}", where):
@@ -206,8 +210,11 @@ class _Lowering:
         outputs = [n for n in members if any(u not in inside for u in n.users)]
         if not outputs:
             return False  # nothing outside reads it: pure dead code
-        if all(n.target is operator.getitem or n.target.is_view for n in members):
-            for node in members:  # views only (a transpose, a detach): nothing to compile, run them
+        work = [n for n in members if n.target is not operator.getitem and not n.target.is_view]
+        if not work or (self.root and len(work) <= TINY_ROOT_SEGMENT):
+            # views only (a transpose, a detach), or a few ops of the root (an embedding's backward and a
+            # sum between two region calls): a compile costs seconds and would save nothing; run them
+            for node in members:
                 env[node] = new.node_copy(node, lambda n: env[n])
             return False
         # canonical names (created, not copied): the same code is the same cache key wherever it occurs
@@ -253,4 +260,4 @@ def lower_to_inductor(prog: Program) -> Program:
     if prog.form != "token-free":
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")
-    return prog.replace(graph_module=_Lowering(prog).graph(prog.graph_module, repr(prog.name)))
+    return prog.replace(graph_module=_Lowering(prog).graph(prog.graph_module, repr(prog.name), root=True))
