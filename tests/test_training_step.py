@@ -271,14 +271,15 @@ def forward(self, token_memory, token_profiler, x, lifted, lifted_1):
     getitem_2 = with_effects_2[0]
     with_effects_3 = effectfx.ops.with_effects(token_profiler, torch.ops.effectfx.range_enter.default, 'Optimizer.step#SGD.step')
     getitem_3 = with_effects_3[0]
-    add = torch.ops.aten.add.Tensor(lifted, t_3, alpha = -0.5)
-    add_1 = torch.ops.aten.add.Tensor(lifted_1, view, alpha = -0.5)
+    _foreach_add = torch.ops.aten._foreach_add.List([lifted, lifted_1], [t_3, view], alpha = -0.5)
+    getitem_4 = _foreach_add[0]
+    getitem_5 = _foreach_add[1]
     with_effects_4 = effectfx.ops.with_effects(getitem_3, torch.ops.effectfx.range_exit.default)
-    getitem_4 = with_effects_4[0]
+    getitem_6 = with_effects_4[0]
     with_effects_5 = effectfx.ops.with_effects(getitem_2, torch.ops.efxtest.record_memory.default, 'updated')
-    getitem_5 = with_effects_5[0]
+    getitem_7 = with_effects_5[0]
     detach_2 = torch.ops.aten.detach.default(sum_1)
-    return (getitem_5, getitem_4, detach_2, t_3, view, add, add_1)
+    return (getitem_7, getitem_6, detach_2, t_3, view, getitem_4, getitem_5)
 '''
 
 
@@ -288,8 +289,9 @@ def _normalized(code: str) -> str:
 
 def test_golden_step_threads_one_token_chain_through_forward_backward_and_update() -> None:
     """A forward, its backward (an effect raised by an autograd formula: ``efxtest::scale``'s) and an SGD
-    update: one ``memory`` chain through all three, in eager's order; the new parameters and gradients are
-    outputs after the loss (the parameters written back, the gradients set as ``.grad``)."""
+    update (torch.optim's multi-tensor path: one node for every parameter): one ``memory`` chain through
+    all three, in eager's order; the new parameters and gradients are outputs after the loss (the
+    parameters written back, the gradients set as ``.grad``)."""
     torch.manual_seed(0)
     lin = nn.Linear(4, 2)
     opt = torch.optim.SGD(lin.parameters(), lr=0.5)

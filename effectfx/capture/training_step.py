@@ -331,7 +331,7 @@ def _refused_inside(step: Callable[..., Any]) -> Callable[..., Any]:
     return scheduler_step
 
 
-_RESTORE: list[tuple[list[tuple[dict, bool]], bool]] = []  # per optimizer step being traced
+_RESTORE: list[tuple[list[tuple[dict, str, Any]], bool]] = []  # per optimizer step being traced
 
 
 def _step_begins(opt: Any, args: Any, kwargs: Any) -> None:
@@ -339,12 +339,15 @@ def _step_begins(opt: Any, args: Any, kwargs: Any) -> None:
     if found is None:
         return
     found[1].optimizer_starts(opt)
-    # torch.optim's tensor-only formulas (no .item() of the step count), as under torch.compile
+    # torch.optim's tensor-only formulas (no .item() of the step count), as under torch.compile; and,
+    # unless the user chose, its multi-tensor path: one graph node per update for all parameters, where
+    # the per-tensor loop (eager's choice on CPU) records each scalar formula once per parameter
     changed = []
     for group in opt.param_groups:
-        if group.get("capturable") is False:
-            changed.append((group, False))
-            group["capturable"] = True
+        for key in ("capturable", "foreach"):
+            if key in group and not group[key]:
+                changed.append((group, key, group[key]))
+                group[key] = True if key == "capturable" or group[key] is None else group[key]
     _RESTORE.append((changed, torch.compiler._is_compiling_flag))
     torch.compiler._is_compiling_flag = True
 
@@ -357,8 +360,8 @@ def _step_ends(opt: Any, args: Any, kwargs: Any) -> None:
 def _undo() -> None:
     groups, flag = _RESTORE.pop()
     torch.compiler._is_compiling_flag = flag
-    for group, value in groups:
-        group["capturable"] = value
+    for group, key, value in groups:
+        group[key] = value
 
 
 @contextlib.contextmanager

@@ -133,9 +133,11 @@ class Program:
         if not self.mutations:
             return outs
         n_user = len(outs) - len(self.mutations)
+        plain: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        grad = torch.is_grad_enabled()
         for i, new in zip(self.mutations, outs[n_user:]):
             target = inputs[i]
-            if new.requires_grad and torch.is_grad_enabled():
+            if new.requires_grad and grad:
                 if target.is_leaf and target.requires_grad:
                     raise UnsupportedMutationError(
                         f"{self.name} updates a leaf tensor that requires grad in place (input {i}, "
@@ -144,8 +146,11 @@ class Program:
                     )
                 target.copy_(new)  # recorded by autograd: gradients reach the value before the update
             else:
-                with torch.no_grad():
-                    target.copy_(new)
+                plain[0].append(target)
+                plain[1].append(new)
+        if plain[0]:  # in one call: a training step writes every parameter and optimizer state tensor
+            with torch.no_grad():
+                torch._foreach_copy_(*plain)
         # an output that is the updated input (``x.add_(1); return x``) is the caller's tensor, as in eager
         written = {id(new): inputs[i] for i, new in zip(self.mutations, outs[n_user:])}
         return [written.get(id(o), o) for o in outs[:n_user]]

@@ -32,23 +32,24 @@ class _Writer:
             self.names[name] = value
         return name
 
-    def read(self, holder: Any, first: str, steps: tuple[str, ...]) -> str:
-        """The variable holding ``holder``'s ``first`` then ``steps`` (each prefix read once)."""
-        source = self.constant(holder)
-        key: tuple = (source, first)
-        var = self.reads.get(key)
-        if var is None:
-            var = self.reads[key] = f"v{len(self.reads)}"
-            if type(holder) is dict:  # (a module's ``_modules`` table, a global namespace)
-                self.lines.append(f"{var} = {source}.get({first!r}, MISSING)")
-            else:
-                self.lines.append(f"{var} = getattr({source}, {first!r}, MISSING)")
-        for name in steps:
-            key = (var, name)
+    def read(self, holder: Any, steps: tuple, table: bool = False) -> str:
+        """The variable holding what ``steps`` read from ``holder`` (each prefix read once): an attribute,
+        ``("item", key)`` of a dict or ``("key", Ref(obj))`` (``identity.step``); with ``table``, the first
+        step is a key of the dict ``holder`` (``identity._first_step``: a module's ``_modules``)."""
+        var = self.constant(holder)
+        for k, name in enumerate(steps):
+            key = (var, name, table and k == 0)
             nxt = self.reads.get(key)
             if nxt is None:
                 nxt = self.reads[key] = f"v{len(self.reads)}"
-                self.lines.append(f"{nxt} = getattr({var}, {name!r}, MISSING)")
+                if key[2]:
+                    self.lines.append(f"{nxt} = {var}.get({name!r}, MISSING)")
+                elif isinstance(name, str):
+                    self.lines.append(f"{nxt} = getattr({var}, {name!r}, MISSING)")
+                else:
+                    c = self.constant(name[1].obj if name[0] == "key" else name[1])
+                    self.lines.append(f"{nxt} = {var}.get({c}, MISSING) if isinstance({var}, dict) "
+                                      "else MISSING")
             var = nxt
         return var
 
@@ -70,23 +71,28 @@ def guard_checker(guards: tuple) -> Callable[[], bool]:
     fast, same, chains, rest, (empty, hooked) = object_guards(guards)
     out = _Writer()
     for obj, name, value in fast:
-        out.equal(out.read(obj, name, ()), value)
+        out.equal(out.read(obj, (name,)), value)
     for holder, first, steps, value in same:
-        out.same(out.read(holder, first, steps), value)
+        out.same(out.read(holder, (first, *steps), table=type(holder) is dict), value)
     for holder, first, steps, value in chains:
-        out.equal(out.read(holder, first, steps), value)
+        out.equal(out.read(holder, (first, *steps), table=type(holder) is dict), value)
     general = []
     for path, expect in rest:
         steps = path[1:]
-        if path[0][0] != "id" or not steps or not all(isinstance(step, str) for step in steps):
+        if path[0][0] != "id" or not steps or not all(
+                isinstance(step, str) or step[0] in ("item", "key") for step in steps):
             general.append((path, expect))
             continue
-        var = out.read(path[0][1].obj, steps[0], steps[1:])
+        var = out.read(path[0][1].obj, steps)
         if expect[0] == "missing":  # an attribute the trace found absent (``getattr(cfg, "x", None)``)
             out.lines.append(f"if {var} is not MISSING: return False")
         elif expect[0] == "=" and expect[1] is tuple and plain_value(expect[2]):  # ``normalized_shape``
             out.lines.append(f"if type({var}) is not tuple or {var} != {out.constant(expect[2])}: "
                              "return False")
+        elif expect[0] == "is":  # (a training step's state: a path through dicts)
+            out.same(var, expect[1].obj)
+        elif expect[0] == "=" and expect[1] in (bool, int, float, type(None)):
+            out.equal(var, expect[2])
         elif expect[0] == "state":  # an object guarded by identity and its plain state
             out.names["_state"] = _state
             out.lines.append(f"if not _state({var}, {out.constant(expect[1].obj)}, "
