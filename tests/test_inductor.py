@@ -238,11 +238,11 @@ def test_body_reused_across_signatures() -> None:
     stats = cache.STATS
     before = (stats.compiles + stats.loads, stats.hits)
     with recording() as log:
-        got = compiled(x, 3.0)  # a new signature: only the root's segment is new
+        got = compiled(x, 3.0)  # a new signature: the body's segment is found; the root's (one op) is tiny
     torch.testing.assert_close(got, f(x, 3.0))
     assert log == [("record_memory", "body")]
     assert compiled.stats.compiles == 2
-    assert stats.compiles + stats.loads - before[0] == 1 and stats.hits - before[1] >= 1
+    assert stats.compiles + stats.loads - before[0] == 0 and stats.hits - before[1] >= 1
 
 
 @pytest.mark.slow
