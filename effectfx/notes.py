@@ -165,7 +165,10 @@ When the written tensor is an input of the graph (an argument, a module's buffer
     records, when a view, a dtype or autograd is involved); a caller whose input was written is then
     itself a graph with a mutated input, up to the root;
   * the root's caller (``Program.write_back``) copies the new values into the user's tensors after the
-    graph ran, as eager's in-place ops left them.
+    graph ran, as eager's in-place ops left them -- unless the graph already updated them where they live:
+    efx.compile's default backend runs an elementwise (or ``_foreach_``) update of a written input in place
+    when nothing reads the old value afterwards and only the new value is a result (``passes.reinplace``),
+    so a compiled training step updates parameters and optimizer state as eager's optimizer does.
 An input that requires grad is a leaf of the trace's autograd; user code gets a clone with history when the
 caller's tensor is not a leaf, so in-place updates of intermediates differentiate as in eager.  Updating a
 leaf that requires grad is refused, as eager refuses it; so is updating an operand another operand aliases.

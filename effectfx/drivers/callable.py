@@ -26,6 +26,7 @@ from ..errors import BackendError, UnsupportedOperatorError
 from ..graph.meta import TensorMeta
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..passes.pipeline import run_passes
+from ..passes.reinplace import reinplace_in_place
 from ..passes.remove_tokens import remove_effect_tokens_pass
 from ..passes.simplify import simplify_in_place
 from ..passes.thread_tokens import discover_effects, thread_tokens
@@ -54,6 +55,11 @@ def lower_to_inductor(prog: Program) -> Program:
 BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
     "eager": [discover_effects, simplify_in_place],
     "inductor": [thread_tokens, remove_effect_tokens_pass, lower_to_inductor],
+}
+# ... then, for a program without a backward (a training program's forward runs inside an autograd.Function,
+# which must not update its inputs in place), per backend
+INFERENCE_PASSES: dict[str, list[Callable[[Program], Program]]] = {
+    "eager": [reinplace_in_place], "inductor": [],
 }
 
 
@@ -321,6 +327,8 @@ class CompiledCallable:
         start = time.perf_counter()
         traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions, dynamic=dynamic)
         program = run_passes(traced, BACKEND_PASSES[self.backend])
+        if not isinstance(program, TrainingProgram):
+            program = run_passes(program, INFERENCE_PASSES[self.backend])
         forward = program.forward if isinstance(program, TrainingProgram) else program
         seconds = time.perf_counter() - start
         # a module tensor swapped in for this call (torch.func.functional_call) is read from where it

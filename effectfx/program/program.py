@@ -137,6 +137,8 @@ class Program:
         grad = torch.is_grad_enabled()
         for i, new in zip(self.mutations, outs[n_user:]):
             target = inputs[i]
+            if new is target:  # updated where it lives (passes.reinplace)
+                continue
             if new.requires_grad and grad:
                 if target.is_leaf and target.requires_grad:
                     raise UnsupportedMutationError(
@@ -150,7 +152,11 @@ class Program:
                 plain[1].append(new)
         if plain[0]:  # in one call: a training step writes every parameter and optimizer state tensor
             with torch.no_grad():
-                torch._foreach_copy_(*plain)
+                if FUNCTORCH.peek_interpreter_stack() is None:
+                    torch._foreach_copy_(*plain)
+                else:  # (vmap has no batching rule for _foreach_copy_)
+                    for target, new in zip(*plain):
+                        target.copy_(new)
         # an output that is the updated input (``x.add_(1); return x``) is the caller's tensor, as in eager
         written = {id(new): inputs[i] for i, new in zip(self.mutations, outs[n_user:])}
         return [written.get(id(o), o) for o in outs[:n_user]]
