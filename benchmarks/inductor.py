@@ -1,25 +1,30 @@
 """effectfx's Inductor backend beside torch.compile and eager: first call (fresh and warm Inductor caches)
-and the steady-state training step, for a stack of N transformer-style blocks (N = 2, 16) and GPT-2; the
-models and systems are in :mod:`benchmarks.inductor_systems`.
+and the steady-state training and inference steps, for a stack of N transformer-style blocks (N = 2, 16),
+GPT-2 and Llama (12 layers each); the models and systems are in :mod:`benchmarks.inductor_systems`, the
+summary, tables, issue 26's targets and plot in :mod:`benchmarks.inductor_report`.
 
 First call = capture + compile + first forward and backward, each measured in its own subprocess whose
 ``TORCHINDUCTOR_CACHE_DIR`` is a fresh temporary directory ("fresh"), or the directory a fresh ``efx`` /
-``tc`` run just filled ("warm": a second process starting).  Before measuring, every subprocess pays the
-one-time costs every system pays alike (imports, Inductor's vector-ISA probe and precompiled header,
-compile workers, dynamo's first frame): one tiny ``torch.compile`` and one tiny ``efx.compile`` of an
-unrelated function; that warm-up is reported apart.  Each first call is checked against eager (outputs,
-gradients, effect count).  Steady state: every system warmed up in one process, training steps timed
-interleaved in shuffled order (samples of >= 20 ms, ~budget seconds per model), medians.
+``tc`` run just filled ("warm": a second process starting; not run when the fresh call failed).  Before
+measuring, every subprocess pays the one-time costs every system pays alike (imports, Inductor's vector-ISA
+probe and precompiled header, compile workers, dynamo's first frame): one tiny ``torch.compile`` and one
+tiny ``efx.compile`` of an unrelated function; that warm-up is reported apart.  Each first call is checked
+against eager (outputs, gradients, effect count); effectfx's also records every segment it compiled
+(the ``effectfx.inductor`` log).  Steady state: every system warmed up in one process, its training step
+and its inference step (``torch.no_grad()``, compiled apart) each checked against eager, then all timed
+interleaved in shuffled order (samples of >= 20 ms, ~budget seconds per model), medians of wall and CPU
+time.  A system whose every first call failed is not trained again there (its inference step still is).
 
-Run: ``python benchmarks/inductor.py [--quick] [--out DIR] [--reps R]``; a full run writes
+Run: ``python benchmarks/inductor.py [--quick] [--out DIR] [--reps R] [--hop]``; ``--hop`` adds effectfx's
+capture through torch's ``invoke_subgraph`` lowering (``efx_hop``, left out by default).  A full run writes
 ``results/inductor.json`` (``--quick``: ``results/quick/``, never the committed figures).
 """
-
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import subprocess
@@ -39,14 +44,29 @@ import effectfx as efx  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import inductor_systems as defs  # noqa: E402
 from benchmarks.common import LOG, median  # noqa: E402
-from benchmarks.inductor_systems import SYSTEMS, build, check, compiled, register_hop_backend  # noqa: E402
+from benchmarks.inductor_report import plot, summarize, table  # noqa: E402
+from benchmarks.inductor_systems import (  # noqa: E402
+    SYSTEMS,
+    build,
+    check,
+    check_inference,
+    compiled,
+    register_hop_backend,
+)
+
+LOAD_AT_START = list(os.getloadavg())
 
 NAME = "inductor"
-FIRST_CALL = ("efx", "efx_hop", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
+FIRST_CALL = ("efx", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")  # efx_hop too with --hop
 WARM = ("efx", "tc", "tc_pure")  # also measured in a second process on the cache the first filled
-FULL = {"configs": [("stack", 2), ("stack", 16), ("gpt2", defs.GPT2_LAYERS)], "reps": 3, "budget_s": 20.0,
-        "systems": FIRST_CALL}
-QUICK = {"configs": [("stack", 2)], "reps": 1, "budget_s": 2.0, "systems": ("efx", "tc_pure")}
+STEADY = ("eager", "eager_pure", "efx", "efx_pure", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
+MODES = ("training", "inference")
+# the 12-layer models' first calls: 2 repetitions (the stack's 3), for a full run of about an hour
+FULL = {"configs": [("stack", 2), ("stack", 16), *((m, n) for m, n in defs.HF_LAYERS.items())],
+        "reps": {"stack": 3, "gpt2": 2, "llama": 2}, "budget_s": 20.0, "systems": FIRST_CALL,
+        "steady": STEADY}
+QUICK = {"configs": [("stack", 2)], "reps": {"stack": 1}, "budget_s": 2.0, "systems": ("efx", "tc_pure"),
+         "steady": ("eager", "efx", "tc_pure")}
 
 
 # -- one first call, in a subprocess -----------------------------------------------------------------------
@@ -97,8 +117,16 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
     start = time.perf_counter()
     _warm_up()
     warmup_s = time.perf_counter() - start
-    module, loss_of = build(model, n, system)
+    module, loss_of, _ = build(model, n, system)
     f = compiled(system, module)
+    segments: list[dict[str, Any]] = []
+    if system == "efx":  # where the first call goes: every segment compiled (effectfx.inductor's log)
+        handler = logging.Handler()
+        handler.emit = lambda r: segments.append(  # type: ignore[method-assign]
+            {k: getattr(r, f"efx_{k}", None) for k in ("where", "nodes", "outcome", "seconds")})
+        logger = logging.getLogger("effectfx.inductor")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     gc.collect()
     cpu, wall = tree_cpu_s(), time.perf_counter()
     try:
@@ -114,6 +142,7 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
         from effectfx.backends import inductor_cache
 
         result["segments_compiled"] = inductor_cache.STATS.compiles - 1  # minus the warm-up's
+        result["segments"] = segments
     return result
 
 
@@ -128,73 +157,116 @@ def _child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:
 
 
 # -- steady state, in one process ---------------------------------------------------------------------------
-def steady_state(model: str, n: int, budget_s: float) -> dict[str, Any]:
-    """Training step of every system, interleaved in shuffled order; medians (ms)."""
+def _prepare(model: str, n: int, system: str, mode: str) -> tuple[Callable[[], None], dict[str, Any]]:
+    """One system's step of ``mode``, compiled on its own module, run, checked against eager (fast but
+    wrong is not a result) and warmed up."""
+    module, loss_of, out_of = build(model, n, system)
+    f = compiled(system, module)
+    params = list(module.parameters())
+
+    def training() -> None:
+        loss_of(f).backward()
+        for p in params:
+            p.grad = None
+
+    def inference() -> None:
+        with torch.no_grad():
+            out_of(f)
+
+    step = training if mode == "training" else inference
+    step()
+    step()
+    LOG.clear()
+    if mode == "training":
+        loss = loss_of(f)
+        loss.backward()
+        effects = len(LOG)
+        verdict = check(model, n, system, module, loss)
+        for p in params:
+            p.grad = None
+    else:
+        with torch.no_grad():
+            out = out_of(f)
+        effects = len(LOG)
+        verdict = check_inference(model, n, system, out)
+    step()
+    verdict["effects"], verdict["effects_expected"] = effects, n if SYSTEMS[system][2] else 0
+    return step, verdict
+
+
+def steady_state(model: str, n: int, budget_s: float, systems: list[str],
+                 skip: dict[str, str]) -> dict[str, Any]:
+    """Training and inference steps of every system (each compiled apart), all interleaved in shuffled
+    order; medians (ms), wall and CPU.  ``skip``: systems whose every first call failed (training not
+    run again)."""
     torch.set_num_threads(1)
     register_hop_backend()
-    steps: dict[str, Callable[[], None]] = {}
-    status: dict[str, str] = {}
-    for system in SYSTEMS:
-        module, loss_of = build(model, n, system)
-        f = compiled(system, module)
-        params = list(module.parameters())
-
-        def step(f: Any = f, loss_of: Any = loss_of, params: list = params) -> None:
-            loss_of(f).backward()
-            for p in params:
-                p.grad = None
-
-        try:
-            step()
-            step()
-            loss = loss_of(f)
-            loss.backward()
-            verdict = check(model, n, system, module, loss)  # fast but wrong is not a result
-            step()
-        except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
-            status[system] = f"{type(e).__name__}: {str(e)[:300]}"
-            continue
-        if not verdict["ok"]:
-            status[system] = f"wrong results: max rel. difference {verdict['max_rel_diff']:.2g} from eager"
-            continue
-        status[system] = "ok"
-        steps[system] = step
+    steps: dict[tuple[str, str], Callable[[], None]] = {}
+    status: dict[str, dict[str, str]] = {mode: {} for mode in MODES}
+    checks: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
+    for system in systems:
+        for mode in MODES:
+            if mode == "training" and system in skip:
+                status[mode][system] = f"every first call failed: {skip[system][:200]}"
+                continue
+            try:
+                step, verdict = _prepare(model, n, system, mode)
+            except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
+                status[mode][system] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            checks[mode][system] = verdict
+            if not verdict["ok"]:
+                status[mode][system] = f"wrong results: max rel. difference {verdict['max_rel_diff']:.2g}"
+            elif verdict["effects"] != verdict["effects_expected"]:
+                status[mode][system] = f"wrong effects: {verdict['effects']} of {verdict['effects_expected']}"
+            else:
+                status[mode][system] = "ok"
+                steps[system, mode] = step
     calls = {}
-    for system, step in steps.items():  # calls per sample: at least 20 ms
+    for key, step in steps.items():  # calls per sample: at least 20 ms
         t = time.perf_counter()
         step()
-        calls[system] = max(1, int(0.02 / max(time.perf_counter() - t, 1e-6)))
+        calls[key] = max(1, int(0.02 / max(time.perf_counter() - t, 1e-6)))
     common.freeze_heap()
-    samples: dict[str, list[float]] = {system: [] for system in steps}
-    cpu: dict[str, list[float]] = {system: [] for system in steps}  # one thread, no children: process time
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    cpu: dict[tuple[str, str], list[float]] = {key: [] for key in steps}  # one thread: process time
     end, rounds = time.perf_counter() + budget_s, 0
     while time.perf_counter() < end or rounds < 3:
         order = list(steps)
         random.shuffle(order)
-        for system in order:
+        for key in order:
             t, c = time.perf_counter(), time.process_time()
-            for _ in range(calls[system]):
-                steps[system]()
-            samples[system].append((time.perf_counter() - t) / calls[system])
-            cpu[system].append((time.process_time() - c) / calls[system])
+            for _ in range(calls[key]):
+                steps[key]()
+            samples[key].append((time.perf_counter() - t) / calls[key])
+            cpu[key].append((time.process_time() - c) / calls[key])
         rounds += 1
-    return {"status": status, "step_ms": {k: median(v) * 1e3 for k, v in samples.items()}, "rounds": rounds,
-            "step_cpu_ms": {k: median(v) * 1e3 for k, v in cpu.items()},
-            "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()}}
+
+    def per_mode(values: dict[tuple[str, str], Any]) -> dict[str, dict[str, Any]]:
+        return {mode: {s: v for (s, m), v in values.items() if m == mode} for mode in MODES}
+
+    return {"status": status, "checks": checks, "rounds": rounds,
+            "step_ms": per_mode({k: median(v) * 1e3 for k, v in samples.items()}),
+            "step_cpu_ms": per_mode({k: median(v) * 1e3 for k, v in cpu.items()}),
+            "samples_ms": per_mode({k: [x * 1e3 for x in v] for k, v in samples.items()})}
 
 
 # -- the whole run -------------------------------------------------------------------------------------------
-def run(quick: bool = False, reps: int | None = None) -> dict[str, Any]:
+def run(quick: bool = False, reps: int | None = None, hop: bool = False) -> dict[str, Any]:
     cfg = QUICK if quick else FULL
-    reps = reps or cfg["reps"]
     configs = cfg["configs"]
+    rep_of = {model: reps or cfg["reps"][model] for model, _ in configs}
+    systems = [*cfg["systems"], *(("efx_hop",) if hop else ())]
+    steady_systems = [*cfg["steady"], *(("efx_hop",) if hop else ())]
     first: dict[str, list[dict[str, Any]]] = {}
-    systems = cfg["systems"]
-    progress = common.Progress(reps * len(configs) * (len(systems) + len(set(WARM) & set(systems)))
-                               + len(configs), NAME)
+    per_rep = len(systems) + len(set(WARM) & set(systems))
+    progress = common.Progress(sum(rep_of[m] for m, _ in configs) * per_rep + len(configs), NAME)
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="efx-inductor-bench-") as tmp:
-        for rep in range(reps):
+        for rep in range(max(rep_of.values())):
             for model, n in configs:
+                if rep >= rep_of[model]:
+                    continue
                 order = list(systems)
                 random.Random(rep).shuffle(order)  # no system always runs first (or last) on a busy machine
                 for system in order:
@@ -202,172 +274,39 @@ def run(quick: bool = False, reps: int | None = None) -> dict[str, Any]:
                     spec = {"mode": "first", "model": model, "n": n, "system": system}
                     for kind in ("fresh", "warm") if system in WARM else ("fresh",):
                         key = f"{model}/{n}/{system}/{kind}"
-                        first.setdefault(key, []).append(_child(spec, cache))
+                        fresh = first.get(f"{model}/{n}/{system}/fresh", [{}])[-1]
+                        if kind == "warm" and fresh.get("status") != "ok":  # nothing to load: not measured
+                            result = {"status": f"not run: the fresh call failed ({fresh.get('status')})"}
+                        else:
+                            result = _child(spec, cache)
+                        first.setdefault(key, []).append(result)
                         progress.step(key)
         steady = {}
         for model, n in configs:
-            steady[f"{model}/{n}"] = _child({"mode": "steady", "model": model, "n": n,
-                                              "budget_s": cfg["budget_s"]}, tempfile.mkdtemp(dir=tmp))
+            skip = {s: runs[0]["status"] for s in steady_systems if (runs := first.get(
+                f"{model}/{n}/{s}/fresh")) and all(r["status"] != "ok" for r in runs)}
+            spec = {"mode": "steady", "model": model, "n": n, "systems": steady_systems, "skip": skip,
+                    "budget_s": cfg["budget_s"]}
+            steady[f"{model}/{n}"] = _child(spec, tempfile.mkdtemp(dir=tmp))
             progress.step(f"{model}/{n} steady state")
-    data = {"machine": common.machine_info(),
-            "config": {"quick": quick, "reps": reps, "configs": configs, "budget_s": cfg["budget_s"],
-                       "systems": {k: SYSTEMS[k] for k in systems},
+    machine = common.machine_info()
+    machine["load_average_start"], machine["duration_s"] = LOAD_AT_START, time.time() - started
+    data = {"machine": machine,
+            "config": {"quick": quick, "reps": rep_of, "configs": configs, "budget_s": cfg["budget_s"],
+                       "systems": {k: SYSTEMS[k] for k in dict.fromkeys([*systems, *steady_systems])},
                        "stack": {"width": defs.WIDTH, "batch": defs.BATCH, "seq": defs.SEQ},
-                       "gpt2": {"layers": defs.GPT2_LAYERS, "batch": defs.GPT2_BATCH, "seq": defs.SEQ}},
+                       "hf": {"layers": defs.HF_LAYERS, "batch": defs.GPT2_BATCH, "seq": defs.SEQ}},
             "first_call": first, "steady_state": steady}
     data["summary"] = summarize(data)
     return data
-
-
-def _median_of(runs: list[dict[str, Any]], field: str) -> float | None:
-    values = [r[field] for r in runs if r.get("status") == "ok"]
-    return median(values) if values else None
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def summarize(data: dict[str, Any]) -> dict[str, Any]:
-    """Per configuration: effectfx's first call (fresh, warm) and step, and its ratios to the others.
-    Where torch.compile failed on the effectful model, its effect-free run stands in (``*_used`` says)."""
-    first, steady = data["first_call"], data["steady_state"]
-    wall = {k: _median_of(v, "wall_s") for k, v in first.items()}
-    cpu = {k: _median_of(v, "cpu_s") for k, v in first.items()}
-    out: dict[str, Any] = {"first_call_s": wall, "first_call_cpu_s": cpu,
-                           "warmup_s": median([r["warmup_s"] for v in first.values() for r in v
-                                               if "warmup_s" in r])}
-    for tag, st in steady.items():
-        ms, cms = st.get("step_ms", {}), st.get("step_cpu_ms", {})
-        s: dict[str, Any] = {"efx_first_s": wall.get(f"{tag}/efx/fresh"),
-                             "efx_first_cpu_s": cpu.get(f"{tag}/efx/fresh"),
-                             "efx_warm_s": wall.get(f"{tag}/efx/warm"),
-                             "efx_warm_cpu_s": cpu.get(f"{tag}/efx/warm")}
-        for other in ("tc", "tc_ncr", "efx_hop"):
-            used = other if wall.get(f"{tag}/{other}/fresh") is not None else f"{other}_pure"
-            s[f"first_{other}_used"] = used
-            s[f"first_{other}_over_efx"] = _div(wall.get(f"{tag}/{used}/fresh"), s["efx_first_s"])
-            s[f"first_{other}_over_efx_cpu"] = _div(cpu.get(f"{tag}/{used}/fresh"), s["efx_first_cpu_s"])
-            used = other if other in ms else f"{other}_pure"
-            s[f"step_{other}_used"] = used
-            s[f"step_efx_over_{other}"] = _div(ms.get("efx"), ms.get(used))
-            s[f"step_efx_over_{other}_cpu"] = _div(cms.get("efx"), cms.get(used))
-        s["step_efx_over_eager"] = _div(ms.get("efx"), ms.get("eager"))
-        s["step_efx_over_eager_cpu"] = _div(cms.get("efx"), cms.get("eager"))
-        s["step_tc_over_eager"] = _div(ms.get(s["step_tc_used"]), ms.get("eager"))
-        out[tag] = s
-    out["efx_growth_stack_2_to_16"] = _div(wall.get("stack/16/efx/fresh"), wall.get("stack/2/efx/fresh"))
-    out["efx_growth_stack_2_to_16_cpu"] = _div(cpu.get("stack/16/efx/fresh"), cpu.get("stack/2/efx/fresh"))
-    return out
-
-
-def _f(v: float | None, unit: str = "", digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}{unit}"
-
-
-def table(data: dict[str, Any]) -> str:
-    summary, first = data["summary"], data["first_call"]
-    rows = []
-    for key in sorted(first):
-        runs = first[key]
-        bad = [r["status"] for r in runs if r.get("status") != "ok"]
-        ok = [r for r in runs if r.get("status") == "ok"]
-        checks = "-" if not ok else "same" if all(
-            r["ok"] and r["effects"] == r["effects_expected"] for r in ok) else "MISMATCH"
-        rows.append([key, _f(summary["first_call_s"][key], " s"), _f(summary["first_call_cpu_s"][key], " s"),
-                     f"{len(ok)}/{len(runs)}", checks, bad[0][:70] if bad else ""])
-    warm = _f(summary["warmup_s"], " s")
-    text = [f"first call: median wall and CPU (process tree); one-time warm-up apart, median {warm}",
-            common.format_table(["model/N/system/cache", "wall", "cpu", "ok", "vs eager", "failure"], rows)]
-    rows = []
-    for tag, st in data["steady_state"].items():
-        ms, cms = st.get("step_ms", {}), st.get("step_cpu_ms", {})
-        rows.append([tag, *[f"{_f(ms.get(k), '')} / {_f(cms.get(k), '')}" for k in SYSTEMS]])
-        rows += [[f"  {tag} {k}: {v[:100]}", *[""] * len(SYSTEMS)] for k, v in st.get("status", {}).items()
-                 if v != "ok"]
-    text += ["", "training step, median ms, wall / CPU (interleaved)",
-             common.format_table(["model/N", *SYSTEMS], rows)]
-    rows = []
-    for tag in data["steady_state"]:
-        s = summary[tag]
-        rows.append([tag, _f(s["efx_first_s"], " s"), _f(s["efx_warm_s"], " s"),
-                     *[f"{_f(s[f'first_{o}_over_efx'], 'x')} / {_f(s[f'first_{o}_over_efx_cpu'], 'x')}"
-                       + ("*" if s[f"first_{o}_used"] != o else "") for o in ("tc_ncr", "tc", "efx_hop")],
-                     *[f"{_f(s[f'step_efx_over_{o}'], 'x')} / {_f(s[f'step_efx_over_{o}_cpu'], 'x')}"
-                       + ("*" if s.get(f"step_{o}_used", o) != o else "")
-                       for o in ("eager", "tc", "efx_hop")]])
-    text += ["", "ratios (first call: other / effectfx, wall / CPU; step: effectfx / other; "
-             "* = torch.compile failed with effects, its effect-free run stands in)",
-             common.format_table(["model/N", "efx first", "efx warm", "tc_ncr/efx", "tc/efx", "efx_hop/efx",
-                                  "step efx/eager", "step efx/tc", "step efx/efx_hop"], rows),
-             f"effectfx first-call growth, stack N=2 -> 16: {_f(summary['efx_growth_stack_2_to_16'], 'x')} "
-             f"wall, {_f(summary['efx_growth_stack_2_to_16_cpu'], 'x')} CPU"]
-    return "\n".join(text)
-
-
-def plot(data: dict[str, Any], path: Path) -> Path:
-    """First call (fresh caches, log scale; CPU as ticks) and training step / eager, per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary, tags = data["summary"], list(data["steady_state"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
-    bars = [("efx", "fresh", "effectfx"), ("efx", "warm", "effectfx, warm cache"),
-            ("efx_hop", "fresh", "effectfx, HOP lowering"), ("tc_ncr", "fresh", "torch.compile + ncr"),
-            ("tc", "fresh", "torch.compile")]
-    w = 0.8 / len(bars)
-    for k, (system, cache, label) in enumerate(bars):
-        xs, wall, cpu = [], [], []
-        for x, tag in enumerate(tags):
-            used = summary[tag].get(f"first_{system}_used", system)
-            if summary["first_call_s"].get(f"{tag}/{used}/{cache}") is not None:
-                xs.append(x + (k - len(bars) / 2 + 0.5) * w)
-                wall.append(summary["first_call_s"][f"{tag}/{used}/{cache}"])
-                cpu.append(summary["first_call_cpu_s"][f"{tag}/{used}/{cache}"])
-                runs = [r for r in data["first_call"][f"{tag}/{used}/{cache}"] if r.get("status") == "ok"]
-                right_ = all(r["ok"] and r["effects"] == r["effects_expected"] for r in runs)
-                if mark := "" if used == system and right_ else "wrong" if not right_ else "no\neffects":
-                    left.annotate(mark, (xs[-1], wall[-1] * 1.15), ha="center", va="bottom", fontsize=6,
-                                  color="red" if mark == "wrong" else "k")
-        if not xs:  # not measured (a quick run): no legend entry
-            continue
-        left.bar(xs, wall, w, color=f"C{k}", label=label)
-        left.scatter(xs, cpu, marker="_", s=60, color="k", zorder=5, label="CPU time" if k == 0 else None)
-    left.set_yscale("log")
-    left.set_ylim(top=left.get_ylim()[1] * 8)  # room for the legend
-    left.set_ylabel("s (median, log scale)")
-    left.set_title("first call: compile + forward + backward (fresh process)", fontsize=10)
-    for k, (system, _, label) in enumerate(b for b in bars if b[1] == "fresh"):
-        xs, ratio = [], []
-        for x, tag in enumerate(tags):
-            ms = data["steady_state"][tag].get("step_ms", {})
-            used = system if system in ms else f"{system}_pure"
-            if used in ms and ms.get("eager"):
-                xs.append(x + (k - 1.5) * 0.2)
-                ratio.append(ms[used] / ms["eager"])
-                if used != system:
-                    right.annotate("no\neffects", (xs[-1], ratio[-1]), ha="center", va="bottom", fontsize=6)
-        right.bar(xs, ratio, 0.2, color=f"C{[0, 2, 3, 4][k]}", label=label)
-    right.axhline(1.0, color="k", lw=0.8)
-    right.axhline(0.95, color="k", lw=0.8, ls="--", label="target 0.95x")
-    right.set_ylabel("training step / eager's (median wall)")
-    right.set_ylim(0, 1.4)  # room for the legend
-    right.set_title("steady-state training step", fontsize=10)
-    for ax in (left, right):
-        ax.set_xticks(range(len(tags)))
-        ax.set_xticklabels(tags)
-        ax.legend(fontsize=7, ncol=2, loc="upper left")
-        ax.grid(True, axis="y", alpha=0.3)
-    title = "effectfx's Inductor backend vs torch.compile (inductor), 1 thread"
-    return common.save_figure(fig, title, data, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="stack N=2 only, one repetition, short budget")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every first call")
+    parser.add_argument("--hop", action="store_true",
+                        help="also effectfx's capture through torch's invoke_subgraph lowering (efx_hop)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where inductor.json goes (default: results/, or results/quick/ with --quick)")
     parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
@@ -385,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         if spec["mode"] == "first":
             result = first_call(spec["model"], spec["n"], spec["system"])
         else:
-            result = steady_state(spec["model"], spec["n"], spec["budget_s"])
+            result = steady_state(spec["model"], spec["n"], spec["budget_s"], spec["systems"], spec["skip"])
         print(json.dumps(result, default=str))
         return 0
-    data = run(args.quick, args.reps)
+    data = run(args.quick, args.reps, args.hop)
     out = common.output_dir(args.out, args.quick)
     path = common.write_json(data, out, NAME)
     print(table(data))

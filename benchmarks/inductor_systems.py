@@ -5,7 +5,12 @@ Models (same weights in every system; each block/layer first calls the effect op
 * ``stack``: N blocks of ``x + fc2(gelu(fc1(layer_norm(x))))``, width 64 (fc 256), input (8, 32, 64);
   training: ``out.pow(2).mean().backward()``;
 * ``gpt2``: ``transformers``' GPT2LMHeadModel, 12 layers, hidden 64, 4 heads, vocab 100, random weights
-  (``effectfx.testing.hf.gpt2_config``), input ids (4, 32); training: ``model(ids, labels=ids).loss``.
+  (``effectfx.testing.hf.gpt2_config``), input ids (4, 32); training: ``model(ids, labels=ids).loss``;
+* ``llama``: ``transformers``' LlamaForCausalLM, 12 layers, hidden 64 (MLP 256), 4 heads, vocab 100, random
+  weights (``effectfx.testing.hf.llama_config``), the same ids and loss;
+
+each decoder layer (``effectfx.testing.hf.LAYER_LISTS``) wrapped in a marked layer calling the effect op.
+Inference: the forward alone under ``torch.no_grad()`` (the stack's output, the models' logits).
 
 Systems: ``eager``; ``efx`` = ``efx.compile(model, backend="inductor")`` (each region body compiled once,
 :mod:`effectfx.backends.inductor`); ``efx_hop`` = the same capture handed to torch's own Inductor lowering
@@ -30,7 +35,9 @@ import effectfx as efx
 from benchmarks import common
 
 WIDTH, BATCH, SEQ = 64, 8, 32
+TOLERANCE = 1e-3  # max relative difference from eager (loss, every gradient, inference output)
 GPT2_LAYERS, GPT2_BATCH = 12, 4
+HF_LAYERS = {"gpt2": GPT2_LAYERS, "llama": 12}  # the HF models measured, and their layers
 # system -> (how it is compiled, how its blocks are marked, whether they call the effect op)
 SYSTEMS: dict[str, tuple[str, str, bool]] = {
     "eager": ("eager", "eager", True),
@@ -100,27 +107,34 @@ class Stack(torch.nn.Module):
         return x
 
 
-def build(model: str, n: int, system: str) -> tuple[torch.nn.Module, Callable[[Any], torch.Tensor]]:
-    """(module, the loss of one call of ``f`` on the input) for ``system``: the same weights for all."""
+def build(model: str, n: int, system: str) -> tuple[torch.nn.Module, Callable[[Any], torch.Tensor],
+                                                   Callable[[Any], torch.Tensor]]:
+    """(module, the loss of one call of ``f`` on the input, the output of one inference call of ``f``) for
+    ``system``: the same weights for all."""
     _, marker, effects = SYSTEMS[system]
     torch.manual_seed(0)
     if model == "stack":
         module: torch.nn.Module = Stack(n, marker, effects)
         x = torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(1))
-        return module, lambda f: f(x).pow(2).mean()
+        return module, lambda f: f(x).pow(2).mean(), lambda f: f(x)
     import transformers
 
     from effectfx.testing import hf
 
-    config = hf.gpt2_config()
-    config.n_layer = n
-    module = transformers.GPT2LMHeadModel(config)
-    module.loss_type = "ForCausalLM"
-    layers = module.transformer.h
+    if model == "gpt2":
+        config = hf.gpt2_config()
+        config.n_layer = n
+        module = transformers.GPT2LMHeadModel(config)
+        module.loss_type = "ForCausalLM"
+    else:
+        config = hf.llama_config()
+        config.num_hidden_layers = n
+        module = transformers.LlamaForCausalLM(config)
+    layers = hf.layers_of(module, model)
     for i, layer in enumerate(layers):
         layers[i] = LAYERS[marker, effects](layer)
     ids = torch.randint(0, hf.VOCAB, (GPT2_BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return module, lambda f: f(ids, labels=ids).loss
+    return module, lambda f: f(ids, labels=ids).loss, lambda f: f(ids).logits
 
 
 def compiled(system: str, module: torch.nn.Module) -> Callable[..., Any]:
@@ -132,20 +146,31 @@ def compiled(system: str, module: torch.nn.Module) -> Callable[..., Any]:
     return torch.compile(module, backend="inductor")
 
 
+def _rel(got: torch.Tensor | None, want: torch.Tensor) -> float:
+    if got is None:  # a missing gradient is infinitely wrong
+        return float("inf")
+    return float((got.detach() - want.detach()).abs().max() / (want.detach().abs().max() + 1e-12))
+
+
 def check(model: str, n: int, system: str, module: torch.nn.Module,
           loss: torch.Tensor) -> dict[str, Any]:
     """The loss and every parameter's gradient against eager's (the same model without a compiler)."""
-    reference, loss_of = build(model, n, "eager" if SYSTEMS[system][2] else "eager_pure")
+    reference, loss_of, _ = build(model, n, "eager" if SYSTEMS[system][2] else "eager_pure")
     want = loss_of(reference)
     want.backward()
     grads = dict(reference.named_parameters())
     diffs = [float((loss.detach() - want.detach()).abs())]
-    for name, p in module.named_parameters():
-        ref = grads[name].grad
-        if ref is not None:  # a missing gradient is infinitely wrong
-            diffs.append(float((p.grad - ref).abs().max() / (ref.abs().max() + 1e-12)) if p.grad is not None
-                         else float("inf"))
-    return {"max_rel_diff": max(diffs), "ok": max(diffs) < 1e-3}
+    diffs += [_rel(p.grad, grads[name].grad) for name, p in module.named_parameters()
+              if grads[name].grad is not None]
+    return {"max_rel_diff": max(diffs), "ok": max(diffs) < TOLERANCE}
+
+
+def check_inference(model: str, n: int, system: str, out: torch.Tensor) -> dict[str, Any]:
+    """An inference output against eager's."""
+    reference, _, out_of = build(model, n, "eager" if SYSTEMS[system][2] else "eager_pure")
+    with torch.no_grad():
+        diff = _rel(out, out_of(reference))
+    return {"max_rel_diff": diff, "ok": diff < TOLERANCE}
 
 
 # -- the alternative: torch's Inductor lowering of invoke_subgraph ------------------------------------------

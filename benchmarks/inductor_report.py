@@ -1,0 +1,237 @@
+"""The summary, tables, targets and plot of ``benchmarks/inductor.py``'s results (issue 26's targets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.common import median
+
+MODES = ("training", "inference")
+# the issue's targets: first call vs torch.compile on the 12-layer models, warm second process, steady steps
+HF_TAGS = ("gpt2/12", "llama/12")
+STEP_TAGS = ("stack/16", *HF_TAGS)
+FIRST_LIMITS = {"tc_ncr": 0.8, "tc": 0.5}
+WARM_LIMIT_S = 1.0
+STEP_LIMITS = {"tc": 1.0, "eager": 0.95}
+
+
+def _median_of(runs: list[dict[str, Any]], field: str) -> float | None:
+    values = [r[field] for r in runs if r.get("status") == "ok"]
+    return median(values) if values else None
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _step_used(ms: dict[str, float], other: str) -> str:
+    return other if other in ms or other == "eager" else f"{other}_pure"
+
+
+def summarize(data: dict[str, Any]) -> dict[str, Any]:
+    """Per configuration: effectfx's first call (fresh, warm) and steps, and their ratios effectfx / other
+    (wall and CPU).  Where torch.compile failed on the effectful model, its effect-free run stands in
+    (``*_used`` says).  Then the targets."""
+    first, steady = data["first_call"], data["steady_state"]
+    wall = {k: _median_of(v, "wall_s") for k, v in first.items()}
+    cpu = {k: _median_of(v, "cpu_s") for k, v in first.items()}
+    out: dict[str, Any] = {"first_call_s": wall, "first_call_cpu_s": cpu,
+                           "warmup_s": median([r["warmup_s"] for v in first.values() for r in v
+                                               if "warmup_s" in r])}
+    for tag, st in steady.items():
+        s: dict[str, Any] = {"efx_first_s": wall.get(f"{tag}/efx/fresh"),
+                             "efx_first_cpu_s": cpu.get(f"{tag}/efx/fresh"),
+                             "efx_warm_s": wall.get(f"{tag}/efx/warm"),
+                             "efx_warm_cpu_s": cpu.get(f"{tag}/efx/warm")}
+        for other in ("tc", "tc_ncr", "efx_hop"):
+            if f"{tag}/{other}/fresh" not in first:
+                continue
+            used = other if wall.get(f"{tag}/{other}/fresh") is not None else f"{other}_pure"
+            s[f"first_{other}_used"] = used
+            s[f"first_efx_over_{other}"] = _div(s["efx_first_s"], wall.get(f"{tag}/{used}/fresh"))
+            s[f"first_efx_over_{other}_cpu"] = _div(s["efx_first_cpu_s"], cpu.get(f"{tag}/{used}/fresh"))
+        for mode in MODES:
+            ms, cms = st.get("step_ms", {}).get(mode, {}), st.get("step_cpu_ms", {}).get(mode, {})
+            for other in ("eager", "tc", "tc_ncr", "efx_hop"):
+                used = _step_used(ms, other)
+                if used not in ms:
+                    continue
+                s[f"{mode}_{other}_used"] = used
+                s[f"{mode}_efx_over_{other}"] = _div(ms.get("efx"), ms.get(used))
+                s[f"{mode}_efx_over_{other}_cpu"] = _div(cms.get("efx"), cms.get(used))
+            s[f"{mode}_tc_over_eager"] = _div(ms.get(s.get(f"{mode}_tc_used", "")), ms.get("eager"))
+        out[tag] = s
+    out["efx_growth_stack_2_to_16"] = _div(wall.get("stack/16/efx/fresh"), wall.get("stack/2/efx/fresh"))
+    out["efx_growth_stack_2_to_16_cpu"] = _div(cpu.get("stack/16/efx/fresh"), cpu.get("stack/2/efx/fresh"))
+    out["targets"] = targets(data, out)
+    return out
+
+
+def _target(text: str, value: float | None, value_cpu: float | None, limit: float) -> dict[str, Any]:
+    """Judged on wall time (the issue's measure); CPU beside it (robust to a loaded machine)."""
+    return {"target": text, "value": value, "value_cpu": value_cpu, "limit": limit,
+            "met": None if value is None else value <= limit,
+            "met_cpu": None if value_cpu is None else value_cpu <= limit}
+
+
+def targets(data: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for tag in (t for t in HF_TAGS if t in s):
+        for other, limit in FIRST_LIMITS.items():
+            used = s[tag].get(f"first_{other}_used", other)
+            out.append(_target(f"(a) {tag} first call efx / {used}", s[tag].get(f"first_efx_over_{other}"),
+                               s[tag].get(f"first_efx_over_{other}_cpu"), limit))
+        out.append(_target(f"(a) {tag} warm second process, s", s[tag]["efx_warm_s"],
+                           s[tag]["efx_warm_cpu_s"], WARM_LIMIT_S))
+    for mode in MODES:
+        for tag in (t for t in STEP_TAGS if t in s):
+            for other, limit in STEP_LIMITS.items():
+                used = s[tag].get(f"{mode}_{other}_used", other)
+                out.append(_target(f"(b) {tag} {mode} step efx / {used}",
+                                   s[tag].get(f"{mode}_efx_over_{other}"),
+                                   s[tag].get(f"{mode}_efx_over_{other}_cpu"), limit))
+    for tag, st in data["steady_state"].items():  # (c): every effectfx call exact and close to eager
+        runs = [r for r in data["first_call"].get(f"{tag}/efx/fresh", []) + data["first_call"].get(
+            f"{tag}/efx/warm", []) if r.get("status") == "ok"]
+        checks = [st.get("checks", {}).get(mode, {}).get("efx") for mode in MODES]
+        diffs = [r["max_rel_diff"] for r in runs] + [c["max_rel_diff"] for c in checks if c]
+        exact = (bool(runs) and all(r["ok"] and r["effects"] == r["effects_expected"] for r in runs)
+                 and all(c and c["ok"] and c["effects"] == c["effects_expected"] for c in checks))
+        out.append({"target": f"(c) {tag} efx effects exact, outputs/gradients within 1e-3 of eager",
+                    "value": max(diffs, default=None), "value_cpu": None, "limit": 1e-3, "met": exact,
+                    "met_cpu": None})
+    return out
+
+
+def _f(v: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def _pair(a: float | None, b: float | None, unit: str = "", star: bool = False) -> str:
+    return f"{_f(a, unit)} / {_f(b, unit)}" + ("*" if star else "")
+
+
+def _verdict(t: dict[str, Any]) -> str:
+    return {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+
+
+def targets_text(summary: dict[str, Any]) -> str:
+    lines = ["targets: (judged on wall time; CPU beside)"]
+    for t in summary["targets"]:
+        value = f"{t['value']:.2g}" if t["target"].startswith("(c)") and t["value"] is not None else _pair(
+            t["value"], t["value_cpu"])
+        cpu = "" if t["met_cpu"] is None or t["met_cpu"] == t["met"] else (
+            f" (CPU: {'met' if t['met_cpu'] else 'not met'})")
+        lines.append(f"  {t['target']}: {value} <= {t['limit']:g}: {_verdict(t)}{cpu}")
+    return "\n".join(lines)
+
+
+def table(data: dict[str, Any]) -> str:
+    summary, first = data["summary"], data["first_call"]
+    rows = []
+    for key in sorted(first):
+        runs = first[key]
+        bad = [r["status"] for r in runs if r.get("status") != "ok"]
+        ok = [r for r in runs if r.get("status") == "ok"]
+        checks = "-" if not ok else "same" if all(
+            r["ok"] and r["effects"] == r["effects_expected"] for r in ok) else "MISMATCH"
+        rows.append([key, _f(summary["first_call_s"][key], " s"), _f(summary["first_call_cpu_s"][key], " s"),
+                     f"{len(ok)}/{len(runs)}", checks, bad[0][:70] if bad else ""])
+    warm = _f(summary["warmup_s"], " s")
+    text = [f"first call: median wall and CPU (process tree); one-time warm-up apart, median {warm}",
+            common.format_table(["model/N/system/cache", "wall", "cpu", "ok", "vs eager", "failure"], rows)]
+    for mode in MODES:
+        systems = list(dict.fromkeys(s for st in data["steady_state"].values()
+                                     for s in st.get("status", {}).get(mode, {})))
+        rows = []
+        for tag, st in data["steady_state"].items():
+            ms, cms = st.get("step_ms", {}).get(mode, {}), st.get("step_cpu_ms", {}).get(mode, {})
+            rows.append([tag, *[_pair(ms.get(k), cms.get(k)) for k in systems]])
+            rows += [[f"  {tag} {k}: {v[:100]}", *[""] * len(systems)]
+                     for k, v in st.get("status", {}).get(mode, {}).items() if v != "ok"]
+        text += ["", f"{mode} step, median ms, wall / CPU (interleaved)",
+                 common.format_table(["model/N", *systems], rows)]
+    hop = any(k.endswith("/efx_hop/fresh") for k in first)
+    others = ("tc_ncr", "tc", *(("efx_hop",) if hop else ()))
+    rows = []
+    for tag in data["steady_state"]:
+        s = summary[tag]
+        row = [tag, _pair(s["efx_first_s"], s["efx_first_cpu_s"], " s"),
+               _pair(s["efx_warm_s"], s["efx_warm_cpu_s"], " s")]
+        row += [_pair(s.get(f"first_efx_over_{o}"), s.get(f"first_efx_over_{o}_cpu"), "x",
+                      s.get(f"first_{o}_used", o) != o) for o in others]
+        row += [_pair(s.get(f"{m}_efx_over_{o}"), s.get(f"{m}_efx_over_{o}_cpu"), "x",
+                      s.get(f"{m}_{o}_used", o) != o) for m in MODES for o in ("eager", *others)]
+        rows.append(row)
+    text += ["", "ratios effectfx / other, wall / CPU (* = torch.compile failed with effects, its "
+             "effect-free run stands in)",
+             common.format_table(["model/N", "efx first", "efx warm", *[f"first /{o}" for o in others],
+                                  *[f"{m[:5]} /{o}" for m in MODES for o in ("eager", *others)]], rows),
+             f"effectfx first-call growth, stack N=2 -> 16: {_f(summary['efx_growth_stack_2_to_16'], 'x')} "
+             f"wall, {_f(summary['efx_growth_stack_2_to_16_cpu'], 'x')} CPU", "", targets_text(summary)]
+    return "\n".join(text)
+
+
+def plot(data: dict[str, Any], path: Path) -> Path:
+    """First call (fresh caches, log scale; CPU as ticks), and training and inference step / eager."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, tags = data["summary"], list(data["steady_state"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    left = axes[0]
+    bars = [("efx", "fresh", "effectfx"), ("efx", "warm", "effectfx, warm cache"),
+            ("efx_hop", "fresh", "effectfx, HOP lowering"), ("tc_ncr", "fresh", "torch.compile + ncr"),
+            ("tc", "fresh", "torch.compile")]
+    w = 0.8 / len(bars)
+    for k, (system, cache, label) in enumerate(bars):
+        xs, wall, cpu = [], [], []
+        for x, tag in enumerate(tags):
+            used = summary[tag].get(f"first_{system}_used", system)
+            if summary["first_call_s"].get(f"{tag}/{used}/{cache}") is not None:
+                xs.append(x + (k - len(bars) / 2 + 0.5) * w)
+                wall.append(summary["first_call_s"][f"{tag}/{used}/{cache}"])
+                cpu.append(summary["first_call_cpu_s"][f"{tag}/{used}/{cache}"])
+                runs = [r for r in data["first_call"][f"{tag}/{used}/{cache}"] if r.get("status") == "ok"]
+                right_ = all(r["ok"] and r["effects"] == r["effects_expected"] for r in runs)
+                if mark := "" if used == system and right_ else "wrong" if not right_ else "no\neffects":
+                    left.annotate(mark, (xs[-1], wall[-1] * 1.15), ha="center", va="bottom", fontsize=6,
+                                  color="red" if mark == "wrong" else "k")
+        if not xs:  # not measured (a quick run, or no --hop): no legend entry
+            continue
+        left.bar(xs, wall, w, color=f"C{k}", label=label)
+        left.scatter(xs, cpu, marker="_", s=60, color="k", zorder=5, label="CPU time" if k == 0 else None)
+    left.set_yscale("log")
+    left.set_ylim(top=left.get_ylim()[1] * 8)  # room for the legend
+    left.set_ylabel("s (median, log scale)")
+    left.set_title("first call: compile + forward + backward (fresh process)", fontsize=10)
+    for ax, mode in zip(axes[1:], MODES):
+        for k, (system, label) in enumerate([("efx", "effectfx"), ("efx_hop", "effectfx, HOP lowering"),
+                                             ("tc_ncr", "torch.compile + ncr"), ("tc", "torch.compile")]):
+            xs, ratio = [], []
+            for x, tag in enumerate(tags):
+                ms = data["steady_state"][tag].get("step_ms", {}).get(mode, {})
+                used = _step_used(ms, system)
+                if used in ms and ms.get("eager"):
+                    xs.append(x + (k - 1.5) * 0.2)
+                    ratio.append(ms[used] / ms["eager"])
+                    if used != system:
+                        ax.annotate("no\neffects", (xs[-1], ratio[-1]), ha="center", va="bottom", fontsize=6)
+            if xs:
+                ax.bar(xs, ratio, 0.2, color=f"C{[0, 2, 3, 4][k]}", label=label)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.95, color="k", lw=0.8, ls="--", label="target 0.95x")
+        ax.set_ylabel(f"{mode} step / eager's (median wall)")
+        ax.set_ylim(0, 1.4)  # room for the legend
+        ax.set_title(f"steady-state {mode} step", fontsize=10)
+    for ax in axes:
+        ax.set_xticks(range(len(tags)))
+        ax.set_xticklabels(tags)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
+        ax.grid(True, axis="y", alpha=0.3)
+    title = "effectfx's Inductor backend vs torch.compile (inductor), 1 thread"
+    return common.save_figure(fig, title, data, path)
