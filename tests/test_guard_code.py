@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import effectfx as efx
 import effectfx.testing  # noqa: F401  (registers the efxtest:: ops)
-from effectfx.regions.guard_code import guard_checker
+from effectfx.regions.guard_code import GuardChecker
 from effectfx.regions.identity import object_guards, object_guards_hold
 from effectfx.regions.reads import MISSING, Ref, expectation
 from effectfx.testing import hf
@@ -22,7 +22,7 @@ from effectfx.testing import hf
 
 def _both(guards: tuple) -> tuple[bool, bool]:
     """The generated code's verdict (a checker's third call on: its first two run the loop) and the loop's."""
-    check = guard_checker(guards)
+    check = GuardChecker(guards)
     first = [check() for _ in range(3)]
     assert check.run is not None and len(set(first)) == 1
     return first[-1], object_guards_hold(*object_guards(guards))
@@ -95,3 +95,36 @@ def test_generated_guards_agree_with_the_loop(root: Obj, paths: list[list[str]],
             setattr(owner, path[-1], value)
     now, loop = _both(guards)
     assert now == loop
+
+
+GOLDEN = """
+def check():
+    v0 = getattr(c0, 'n', MISSING)
+    if v0 is not c1 and (type(v0) is not type(c1) or v0 != c1): return False
+    v1 = getattr(c0, 'cfg', MISSING)
+    if v1 is not c2: return False
+    v2 = getattr(v1, 'flag', MISSING)
+    if v2 is not c3 and (type(v2) is not type(c3) or v2 != c3): return False
+    v3 = getattr(v1, 'shape', MISSING)
+    if type(v3) is not tuple or v3 != c4: return False
+    v4 = getattr(v1, 'gone', MISSING)
+    if v4 is not MISSING: return False
+    return True
+"""
+
+
+def test_golden_generated_guards_read_each_prefix_once() -> None:
+    """A value, an object by identity, a value and a tuple through it, an attribute found missing: one
+    read of ``root.cfg`` serves the three guards below it; the first two calls run the loop."""
+    inner = Obj(flag=True, shape=(2, 3))
+    root = Obj(cfg=inner, n=4)
+    guards = (((("id", Ref(root)), "n"), ("=", int, 4)),
+              ((("id", Ref(root)), "cfg"), ("is", Ref(inner))),
+              ((("id", Ref(root)), "cfg", "flag"), ("=", bool, True)),
+              ((("id", Ref(root)), "cfg", "shape"), ("=", tuple, (2, 3))),
+              ((("id", Ref(root)), "cfg", "gone"), ("missing",)))
+    check = GuardChecker(guards)
+    assert check() and check() and check.run is None
+    assert check() and check.run.source.strip() == GOLDEN.strip()
+    inner.flag = False
+    assert not check()

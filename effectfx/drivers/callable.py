@@ -33,7 +33,7 @@ from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
-from ..regions.guard_code import guard_checker
+from ..regions.guard_code import GuardChecker
 from ..regions.identity import ambient, failed_guards, leaf_key
 from ..regions.reads import plain_value
 from ..regions.words import guard_text
@@ -124,7 +124,7 @@ class CompiledEntry:
     why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
 
     def __post_init__(self) -> None:
-        self.check = guard_checker(self.guards)  # the same guards, as code for the hot path
+        self.check = GuardChecker(self.guards)  # the same guards, as code for the hot path
 
     def current_lifted(self) -> list[torch.Tensor] | None:
         """The lifted tensors as of now, or None if one no longer matches what was traced."""

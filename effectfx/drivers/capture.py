@@ -33,7 +33,7 @@ from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
 from ..regions import hooks
-from ..regions.guard_code import guard_checker
+from ..regions.guard_code import GuardChecker
 from ..regions.identity import ambient_context, code_reads
 from ..regions.reads import Reads, recording, report_read
 
@@ -148,7 +148,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
         specialized=tuple(tracer.specialized), written_args=written.positions,
         state_writes=tuple(step.targets),
-        state_holds=guard_checker(tuple(step.guards)) if step.targets else None,
+        state_holds=GuardChecker(tuple(step.guards)) if step.targets else None,
     )
     if traced.backward is None:
         return forward

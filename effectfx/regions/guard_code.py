@@ -90,11 +90,6 @@ class GuardChecker:
         return object_guards_hold(*self.split)
 
 
-def guard_checker(guards: tuple) -> GuardChecker:
-    """The guards ``guards`` as a function of no arguments (:class:`GuardChecker`)."""
-    return GuardChecker(guards)
-
-
 def _generated(split: tuple) -> Callable[[], bool]:
     """Straight-line code checking the guards ``object_guards`` split (the module docstring)."""
     fast, same, chains, rest, (empty, hooked) = split
