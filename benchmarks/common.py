@@ -14,6 +14,7 @@ The effect op is registered with effectfx (key ``"memory"``) *and* with PyTorch'
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import json
@@ -231,6 +232,41 @@ def replace_atomically(path: Path, write: Callable[[Path], Any]) -> Path:
 def write_json(data: dict[str, Any], out_dir: Path, name: str) -> Path:
     text = json.dumps(data, indent=2, default=str) + "\n"
     return replace_atomically(out_dir / f"{name}.json", lambda tmp: tmp.write_text(text))
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options every script's results take: where they go, redrawing them, and the child-process one."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where {name}.json goes (default: results/, or results/quick/ with --quick)")
+    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                        help="redraw the table and PNG (next to JSON) from a run's JSON; no measuring")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+Report = tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[dict[str, Any]], str],
+               Callable[[dict[str, Any], Path], Path]]  # a script's summarize, table and plot
+
+
+def redraw(json_path: Path, report: Report) -> int:
+    """``--plot-only``: the summary, table and PNG (next to the JSON) of a run's results, no measuring."""
+    summarize, table, plot = report
+    data = json.loads(json_path.read_text())
+    data["summary"] = summarize(data)
+    print(table(data))
+    print("wrote", replace_atomically(json_path.with_suffix(".png"), lambda p: plot(data, p)))
+    return 0
+
+
+def publish(data: dict[str, Any], out_dir: Path, name: str, report: Report) -> None:
+    """Write a run's measurements (first, whatever the summary does), then with their summary; print the
+    table and write the PNG."""
+    summarize, table, plot = report
+    write_json(data, out_dir, name)
+    data["summary"] = summarize(data)
+    path = write_json(data, out_dir, name)
+    print(table(data))
+    print(f"\nwrote {path}")
+    print("wrote", replace_atomically(out_dir / f"{name}.png", lambda p: plot(data, p)))
 
 
 def save_figure(fig: Any, title: str, data: dict[str, Any], path: Path) -> Path:

@@ -297,18 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--label", default=None, help="a note on the run, kept in the JSON")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where dynamic.json goes (default: results/, or results/quick/ with --quick)")
-    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
-                        help="redraw the table and PNG (next to JSON) from a run's JSON; no measuring")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
     if args.plot_only is not None:
-        data = json.loads(args.plot_only.read_text())
-        data["summary"] = summarize(data)
-        print(table(data))
-        print("wrote", common.replace_atomically(args.plot_only.with_suffix(".png"), lambda p: plot(data, p)))
-        return 0
+        return common.redraw(args.plot_only, (summarize, table, plot))
     if args.child:
         spec = json.loads(args.child)
         if spec["mode"] == "first":
@@ -321,13 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",") if args.systems else None
     data = run(args.quick, args.reps, args.inductor_reps, systems, args.threads, not args.no_progress,
                args.label)
-    out = common.output_dir(args.out, args.quick)
-    common.write_json(data, out, NAME)  # the measurements first, whatever the summary does
-    data["summary"] = summarize(data)
-    path = common.write_json(data, out, NAME)
-    print(table(data))
-    print(f"\nwrote {path}")
-    print("wrote", common.replace_atomically(out / f"{NAME}.png", lambda p: plot(data, p)))
+    common.publish(data, common.output_dir(args.out, args.quick), NAME, (summarize, table, plot))
     return 0
 
 

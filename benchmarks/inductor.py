@@ -307,18 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every first call")
     parser.add_argument("--hop", action="store_true",
                         help="also effectfx's capture through torch's invoke_subgraph lowering (efx_hop)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where inductor.json goes (default: results/, or results/quick/ with --quick)")
-    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
-                        help="redraw the table and PNG (next to JSON) from a run's JSON; no measuring")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
     if args.plot_only is not None:
-        data = json.loads(args.plot_only.read_text())
-        data["summary"] = summarize(data)
-        print(table(data))
-        print("wrote", common.replace_atomically(args.plot_only.with_suffix(".png"), lambda p: plot(data, p)))
-        return 0
+        return common.redraw(args.plot_only, (summarize, table, plot))
     if args.child:
         spec = json.loads(args.child)
         if spec["mode"] == "first":
@@ -328,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, default=str))
         return 0
     data = run(args.quick, args.reps, args.hop)
-    out = common.output_dir(args.out, args.quick)
-    path = common.write_json(data, out, NAME)
-    print(table(data))
-    print(f"\nwrote {path}", common.replace_atomically(out / f"{NAME}.png", lambda p: plot(data, p)))
+    common.publish(data, common.output_dir(args.out, args.quick), NAME, (summarize, table, plot))
     return 0
 
 
