@@ -20,12 +20,17 @@ from effectfx.regions.reads import MISSING, Ref, expectation
 from effectfx.testing import hf
 
 
-def _both(guards: tuple) -> tuple[bool, bool]:
-    """The generated code's verdict (a checker's third call on: its first two run the loop) and the loop's."""
+def _ready(guards: tuple) -> GuardChecker:
+    """A checker past its first two calls (which run the loop): the third made its C++ tree and code, as
+    a program's checker is made while its guards hold."""
     check = GuardChecker(guards)
-    first = [check() for _ in range(3)]
-    assert check.run is not None and len(set(first)) == 1
-    return first[-1], object_guards_hold(*object_guards(guards))
+    assert [check() for _ in range(3)] == [True] * 3 and check.run is not None
+    return check
+
+
+def _both(check: GuardChecker) -> tuple[bool, bool]:
+    """The checker's verdict now and the loop's."""
+    return check(), object_guards_hold(*check.split)
 
 
 CHANGES: dict[str, Callable[[torch.nn.Module], None]] = {
@@ -45,9 +50,9 @@ def test_a_real_model_s_guards_agree_and_fail(change: str) -> None:
     compiled = efx.compile(model)
     compiled(**hf.batch("gpt2", torch.Generator().manual_seed(0)))
     (entry,) = [e for entries in compiled.compiled.cache.values() for e in entries]
-    assert _both(entry.guards) == (True, True)
+    check = _ready(entry.guards)
     CHANGES[change](model)
-    verdict = _both(entry.guards)
+    verdict = _both(check)
     assert verdict[0] == verdict[1]
     if change != "a layer's name":  # a label: an operand of the body, not a guard
         assert verdict == (False, False)
@@ -58,73 +63,132 @@ class Obj:
         self.__dict__.update(kw)
 
 
+class Mod(torch.nn.Module):
+    pass
+
+
 VALUES = st.one_of(st.integers(-2, 2), st.booleans(), st.sampled_from(["a", "b"]), st.none(),
                    st.tuples(st.integers(0, 2), st.integers(0, 2)))
 NAMES = st.sampled_from(["a", "b", "c"])
+KINDS = st.sampled_from([Obj, dict, Mod])  # how a node holds its fields: attributes, items, a module's
+DELETE = object()  # a change that removes the field
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    if type(owner) is dict:
+        owner.pop(name, None) if value is DELETE else owner.__setitem__(name, value)
+    elif value is DELETE:
+        if hasattr(owner, name):
+            delattr(owner, name)
+    elif isinstance(owner, Mod) and name in owner._modules and not isinstance(value, Mod):
+        owner._modules[name] = None if value is None else Mod()  # (a submodule is replaced by a module)
+    else:
+        setattr(owner, name, value)
 
 
 @st.composite
-def trees(draw: Any, depth: int = 0) -> Obj:
-    fields = {}
+def trees(draw: Any, depth: int = 0) -> Any:
+    node = draw(KINDS)() if depth else Obj()
     for name in draw(st.lists(NAMES, unique=True, max_size=3)):
-        fields[name] = draw(trees(depth + 1)) if depth < 2 and draw(st.booleans()) else draw(VALUES)
-    return Obj(**fields)
+        _set(node, name, draw(trees(depth + 1)) if depth < 2 and draw(st.booleans()) else draw(VALUES))
+    return node
+
+
+def _step(obj: Any, name: str) -> Any:
+    return ("item", name) if type(obj) is dict else name
 
 
 def _read(obj: Any, path: tuple[str, ...]) -> Any:
     for name in path:
-        obj = getattr(obj, name, MISSING)
+        obj = obj.get(name, MISSING) if type(obj) is dict else getattr(obj, name, MISSING)
     return obj
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(trees(), st.lists(st.lists(NAMES, min_size=1, max_size=3), max_size=8),
-       st.lists(st.tuples(st.lists(NAMES, min_size=1, max_size=3), VALUES), max_size=4))
+       st.lists(st.tuples(st.lists(NAMES, min_size=1, max_size=3), st.one_of(VALUES, st.just(DELETE))),
+                max_size=4))
 def test_generated_guards_agree_with_the_loop(root: Obj, paths: list[list[str]],
                                               changes: list[tuple[list[str], Any]]) -> None:
+    """Generated guards of generated objects, dicts and modules, then changes (a value set, a field
+    removed, a submodule replaced): the tree and code say what the loop says."""
     guards = []
     for path in paths:  # what a capture would have recorded of the tree as it is
         value = _read(root, tuple(path))
-        expect = expectation(value, structural=False) if not isinstance(value, Obj) else ("is", Ref(value))
-        guards.append(((("id", Ref(root)), *path), expect))
-    guards = tuple(guards)
-    assert _both(guards) == (True, True)
+        steps = tuple(_step(_read(root, tuple(path[:k])), name) for k, name in enumerate(path))
+        plain = not isinstance(value, (Obj, dict, Mod))
+        expect = expectation(value, structural=False) if plain else ("is", Ref(value))
+        guards.append(((("id", Ref(root)), *steps), expect))
+    check = _ready(tuple(guards))
     for path, value in changes:  # then the tree changes
         owner = _read(root, tuple(path[:-1]))
-        if isinstance(owner, Obj):
-            setattr(owner, path[-1], value)
-    now, loop = _both(guards)
+        if isinstance(owner, (Obj, dict, Mod)):
+            _set(owner, path[-1], value)
+    now, loop = _both(check)
     assert now == loop
 
 
 GOLDEN = """
+# C++ guards
+c0
+  .n == 4
+  .cfg is <Obj object>
+    .flag == True
+    .shape == (2, 3)
+  .block is <Block object>
+    ._modules
+    .lin is <Linear object>
+      .in_features == 2
+# then
 def check():
-    v0 = getattr(c0, 'n', MISSING)
-    if v0 is not c1 and (type(v0) is not type(c1) or v0 != c1): return False
-    v1 = getattr(c0, 'cfg', MISSING)
-    if v1 is not c2: return False
-    v2 = getattr(v1, 'flag', MISSING)
-    if v2 is not c3 and (type(v2) is not type(c3) or v2 != c3): return False
-    v3 = getattr(v1, 'shape', MISSING)
-    if type(v3) is not tuple or v3 != c4: return False
-    v4 = getattr(v1, 'gone', MISSING)
-    if v4 is not MISSING: return False
+    v0 = getattr(c0, 'cfg', MISSING)
+    v1 = getattr(v0, 'gone', MISSING)
+    if v1 is not MISSING: return False
     return True
 """
 
 
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+
 def test_golden_generated_guards_read_each_prefix_once() -> None:
-    """A value, an object by identity, a value and a tuple through it, an attribute found missing: one
-    read of ``root.cfg`` serves the three guards below it; the first two calls run the loop."""
+    """A value, an object by identity, a value and a tuple through it, a submodule (read from its module's
+    ``_modules``) and a value of it: one C++ accessor per prefix (``root.cfg`` serves the three guards
+    below it); an attribute found missing is Python code.  The first two calls run the loop."""
     inner = Obj(flag=True, shape=(2, 3))
-    root = Obj(cfg=inner, n=4)
+    block = Block()
+    root = Obj(cfg=inner, n=4, block=block)
     guards = (((("id", Ref(root)), "n"), ("=", int, 4)),
               ((("id", Ref(root)), "cfg"), ("is", Ref(inner))),
               ((("id", Ref(root)), "cfg", "flag"), ("=", bool, True)),
               ((("id", Ref(root)), "cfg", "shape"), ("=", tuple, (2, 3))),
-              ((("id", Ref(root)), "cfg", "gone"), ("missing",)))
+              ((("id", Ref(root)), "cfg", "gone"), ("missing",)),
+              ((("id", Ref(root)), "block"), ("is", Ref(block))),
+              ((("id", Ref(root)), "block", "lin"), ("is", Ref(block.lin))),
+              ((("id", Ref(root)), "block", "lin", "in_features"), ("=", int, 2)))
     check = GuardChecker(guards)
     assert check() and check() and check.run is None
     assert check() and check.run.source.strip() == GOLDEN.strip()
-    inner.flag = False
+    for undo in (lambda: setattr(inner, "flag", False), lambda: setattr(block, "lin", torch.nn.Linear(2, 2)),
+                 lambda: setattr(inner, "gone", 1), lambda: setattr(inner, "shape", [2, 3])):
+        undo()
+        assert not check() and not object_guards_hold(*object_guards(guards))
+
+
+def test_a_checker_made_while_its_guards_fail_still_fails() -> None:
+    """The third call makes the C++ tree; made while a dict item differs (an optimizer's ``lr`` changed
+    since the capture), torch's dict accessor would take the unchanged dict for a holding guard."""
+    group = {"lr": 0.1}
+    check = GuardChecker((((("id", Ref(group)), ("item", "lr")), ("=", float, 0.1)),))
+    assert check() and check()
+    group["lr"] = 0.05
+    assert not check() and check.run is None and not check()
+    group["lr"] = 0.1
+    assert check() and check.run is not None
+    group["lr"] = 0.05
     assert not check()
+    group["lr"] = 0.1
+    assert check()
