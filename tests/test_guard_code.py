@@ -4,6 +4,7 @@ and generated guards over generated objects (hypothesis)."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -70,12 +71,13 @@ class Mod(torch.nn.Module):
 VALUES = st.one_of(st.integers(-2, 2), st.booleans(), st.sampled_from(["a", "b"]), st.none(),
                    st.tuples(st.integers(0, 2), st.integers(0, 2)))
 NAMES = st.sampled_from(["a", "b", "c"])
-KINDS = st.sampled_from([Obj, dict, Mod])  # how a node holds its fields: attributes, items, a module's
+# how a node holds its fields: attributes, items (an optimizer's state is a defaultdict), a module's
+KINDS = st.sampled_from([Obj, dict, lambda: collections.defaultdict(int), Mod])
 DELETE = object()  # a change that removes the field
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
-    if type(owner) is dict:
+    if isinstance(owner, dict):
         owner.pop(name, None) if value is DELETE else owner.__setitem__(name, value)
     elif value is DELETE:
         if hasattr(owner, name):
@@ -95,12 +97,12 @@ def trees(draw: Any, depth: int = 0) -> Any:
 
 
 def _step(obj: Any, name: str) -> Any:
-    return ("item", name) if type(obj) is dict else name
+    return ("item", name) if isinstance(obj, dict) else name
 
 
 def _read(obj: Any, path: tuple[str, ...]) -> Any:
     for name in path:
-        obj = obj.get(name, MISSING) if type(obj) is dict else getattr(obj, name, MISSING)
+        obj = obj.get(name, MISSING) if isinstance(obj, dict) else getattr(obj, name, MISSING)
     return obj
 
 

@@ -19,6 +19,7 @@ each distinct prefix read once:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,11 @@ class GuardChecker:
         return object_guards_hold(*self.split)
 
 
+# dicts whose ``get`` is dict's: torch's item accessor looks up as ``get`` does (a defaultdict's
+# ``__missing__`` is not called), so it says what the generated code says (an optimizer's ``state``)
+_DICTS = (dict, collections.defaultdict, collections.OrderedDict)
+
+
 class _Tree:
     """The C++ guard tree (the module docstring): ``read`` gives the manager of a path's value (each
     prefix's made once), None where a step is not an attribute or a dict item."""
@@ -139,13 +145,13 @@ class _Tree:
             if nxt not in self.managers:
                 if isinstance(step, str):
                     self.managers[nxt] = self._attribute(path, step)
-                elif step[0] in ("item", "key") and type(value) is dict:
-                    key = step[1].obj if step[0] == "key" else step[1]
-                    if path not in self.typed:  # a dict item only of what is a dict still
-                        manager.add_type_match_guard(id(dict), [f"type({text}) is dict"], None)
+                elif step[0] == "item" and plain_value(step[1]) and type(value) in _DICTS:
+                    key = step[1]  # (not an object key: torch's accessor compares keys with ==)
+                    if path not in self.typed:  # a dict item only of what is that kind of dict still
+                        manager.add_type_match_guard(id(type(value)), [f"type({text})"], None)
                         self.typed.add(path)
                     got = value.get(key, MISSING)
-                    said = f"{text}[{key!r}]" if plain_value(key) else f"{text}[<{type(key).__name__}>]"
+                    said = f"{text}[{key!r}]"
                     self.managers[nxt] = (manager.dict_getitem_manager(key, said, got, self.kind), got, said)
                 else:
                     return None
@@ -185,8 +191,7 @@ class _Tree:
 
         def show(path: tuple) -> None:
             step = path[-1]
-            said = step if len(path) == 1 else f".{step}" if isinstance(step, str) else \
-                f"[{step[1]!r}]" if plain_value(step[1]) else f"[<{type(step[1]).__name__}>]"
+            said = step if len(path) == 1 else f".{step}" if isinstance(step, str) else f"[{step[1]!r}]"
             lines.append("  " * (len(path) - 1) + " ".join([said, *self.checks.get(path, ())]))
             for child in children.get(path, ()):
                 show(child)
