@@ -7,14 +7,14 @@ re-reading the same prefixes (``model.transformer.h``) and the loop itself.  Her
 each distinct prefix read once:
 
 * as a tree of torch's own C++ guard managers (``torch._C._dynamo.guards``, what torch.compile checks its
-  guards with): an accessor per prefix -- an attribute, a dict item, a submodule read straight from its
+  guards with): an accessor per prefix -- an attribute, a dict item by a plain key, a submodule read from its
   module's ``_modules`` as ``nn.Module.__getattr__`` would find it -- and at its end an identity or an
-  equality check, with Python's semantics (the same type, then ``==``).  GPT-2's guards cost 40 us a call
-  this way, against 240 us as generated Python;
-* what the tree cannot express (an attribute found missing, an object's state, hooks, general paths) as
-  straight-line Python code returning False at the first guard that fails, the reads and comparisons
-  ``object_guards_hold`` makes without the interpretation; and what that cannot express is checked as
-  before, after it.
+  equality check, with Python's semantics (the same type, then ``==``).  GPT-2's 785 guards cost about
+  70 us a call this way (with the Python below), against 290 us as generated Python alone;
+* what the tree cannot express (an attribute found missing, an object's state, a dict keyed by objects,
+  hooks, general paths) as straight-line Python code returning False at the first guard that fails, the
+  reads and comparisons ``object_guards_hold`` makes without the interpretation; and what that cannot
+  express is checked as before, after it.
 """
 
 from __future__ import annotations
