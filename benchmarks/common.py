@@ -243,6 +243,16 @@ def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, budget: bool = True) -> None:
+    """The options of a measuring run every steady-state script takes: threads, the steady-state budget,
+    the progress bar and a label kept in the JSON."""
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
+    if budget:
+        parser.add_argument("--budget", type=float, default=None, help="seconds of steady-state rounds")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--label", default=None, help="a note on the run, kept in the JSON")
+
+
 Report = tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[dict[str, Any]], str],
                Callable[[dict[str, Any], Path], Path]]  # a script's summarize, table and plot
 

@@ -294,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every system's first calls")
     parser.add_argument("--inductor-reps", type=int, default=None, help="the same, for the Inductor systems")
     parser.add_argument("--systems", default=None, help=f"comma-separated, of {','.join(SYSTEMS)}")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--label", default=None, help="a note on the run, kept in the JSON")
+    common.add_run_arguments(parser, budget=False)
     common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
     if args.plot_only is not None:

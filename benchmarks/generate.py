@@ -623,10 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="8 tokens, no torch.compile, one repetition")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every first call")
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per generate call")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of steady-state rounds")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--label", default=None, help="a note on the run, kept in the JSON")
+    common.add_run_arguments(parser)
     common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
     if args.plot_only is not None:

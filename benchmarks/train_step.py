@@ -295,10 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the same, for efx_step_inductor and tc_step")
     parser.add_argument("--batch", type=int, default=2, help="sequences per batch (8 tokens each)")
     parser.add_argument("--systems", default=None, help=f"comma-separated, of {','.join(SYSTEMS)}")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of steady-state rounds")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--label", default=None, help="a note on the run, kept in the JSON")
+    common.add_run_arguments(parser)
     common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
     if args.plot_only is not None:

@@ -213,12 +213,9 @@ def _attribute_chains(out: _Tree | _Writer, fast: tuple, same: tuple, chains: tu
 
 def _compiled(split: tuple) -> Callable[[], bool]:
     """The guards ``object_guards`` split as a C++ tree and Python code for the rest (the module
-    docstring); Python code alone where torch has no such tree."""
+    docstring)."""
     fast, same, chains, rest, hooks = split
-    try:
-        tree = _Tree()
-    except (ImportError, AttributeError):  # (torch is pinned; this is the guard against a change of API)
-        return _generated(split)
+    tree = _Tree()
     _attribute_chains(tree, fast, same, chains)
     python = []
     for path, expect in rest:
