@@ -287,10 +287,15 @@ def test_gpt2_three_training_steps() -> None:
 
 
 @pytest.mark.slow
-def test_gpt2_over_four_lengths_compiles_each_body_once_more() -> None:
-    """Symbolic sizes (Note [Symbolic shapes]): the first length is static, the second captures and
-    compiles a symbolic program, and the third and fourth compile nothing."""
+def test_gpt2_over_four_lengths_compiles_each_body_once_more(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Symbolic sizes (Note [Symbolic shapes]): the first length is static, the second captures a
+    symbolic program and compiles its bodies, the third its root's segments (deferred to their second
+    run), for every length: the fourth compiles nothing."""
     from effectfx.testing import hf
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing saved: the counts are this run's
+    cache.clear_cache()
 
     eager_model = hf.build("gpt2", seed=0)
     model = copy.deepcopy(eager_model)
@@ -304,12 +309,13 @@ def test_gpt2_over_four_lengths_compiles_each_body_once_more() -> None:
         assert_same_training(eager, got)
         compiled_segments.append(cache.STATS.compiles + cache.STATS.loads)
     assert compiled.stats.compiles == 2
-    assert compiled_segments[1] == compiled_segments[2] == compiled_segments[3]
+    assert compiled_segments[1] < compiled_segments[2] == compiled_segments[3]
     symbolic = compiled.programs()[-1]
     for half in (symbolic.forward, symbolic.backward):
         bodies = lowered_bodies(half.graph_module)
         assert len(bodies) == hf.LAYERS and all(b is bodies[0] for b in bodies)
         assert segments(bodies[0]) and all(s.compiled is not None for s in segments(bodies[0]))
+    cache.clear_cache()
 
 
 @pytest.mark.slow
@@ -365,6 +371,43 @@ def test_a_new_process_loads_the_saved_segments() -> None:
     before = dataclasses.replace(cache.STATS)
     check_inductor(seed, x)
     assert cache.STATS.compiles == before.compiles and cache.STATS.loads > before.loads
+
+
+def rooted(x):
+    """The seed's regions between two root segments of more than TINY_ROOT_SEGMENT ops."""
+    y = seed_region(seed_region((x * 2 + 1).tanh().sin() * 3))
+    return (y.cos() * 2 - 1).exp().neg()
+
+
+def test_the_roots_segments_compile_on_their_second_run(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first call runs the root's pure work un-compiled (the bodies compiled); the second compiles it;
+    # every call is eager's: outputs, gradients, effects
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing saved: the root's deferred
+    cache.clear_cache()
+    x = torch.randn(3, requires_grad=True)
+    eager = run_eager(rooted, (x,))
+    cfn = efx.compile(rooted, backend="inductor")
+    outcomes = []
+    for i in range(3):
+        (got,) = run_program(lambda f, a, k: cfn, rooted, (x,), {})
+        compare(f"inductor call {i + 1}", eager, got, RTOL, ATOL)
+        forward, backward = (cfn.programs()[0].forward.graph_module, cfn.programs()[0].backward.graph_module)
+        outcomes.append([s.outcome for g in (forward, backward) for s in segments(g)])
+    assert outcomes[0] == ["deferred"] * len(outcomes[0]) and len(outcomes[0]) >= 3
+    assert outcomes[1] == outcomes[2] == ["compiled"] * len(outcomes[0])
+    body = lowered_bodies(forward)[0]
+    assert [s.outcome for s in segments(body)] == ["compiled"]  # a body's compile is never deferred
+
+    # a process that finds them saved (the warm second process) runs them compiled from its first call
+    cache.clear_cache()
+    again = efx.compile(rooted, backend="inductor")
+    (got,) = run_program(lambda f, a, k: again, rooted, (x,), {})
+    compare("inductor, saved segments", eager, got, RTOL, ATOL)
+    prog = again.programs()[0]
+    assert [s.outcome for g in (prog.forward.graph_module, prog.backward.graph_module)
+            for s in segments(g)] == ["loaded"] * len(outcomes[0])
+    cache.clear_cache()
 
 
 def test_needs_token_free_form() -> None:

@@ -15,7 +15,9 @@ How (see Note [Effect tokens] for why order needs care):
      (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
      is therefore one segment.  A segment of views only (a transpose, a detach), or of at most
      ``TINY_ROOT_SEGMENT`` ops in the root graph, is not compiled: its nodes run as they are.
-  2. Each segment is compiled by Inductor once per process (and loaded from disk in later processes);
+  2. Each segment is compiled by Inductor once per process (and loaded from disk in later processes):
+     a body's on its first run, a root segment's on its second (deferred: the first call of a program
+     costs one compile per distinct body forward and backward, and the root's work un-compiled);
   3. a segment Inductor cannot compile runs its aten graph un-compiled (the default backend's ops), with
      a warning naming the region: never a wrong result.  Both: ``effectfx.backends.inductor_segments``.
 
@@ -164,6 +166,7 @@ class _Lowering:
             env[node] = new.node_copy(node, lambda n: env[n])
         self.inputs = [n for n in nodes if n.op == "placeholder"]
         self.root = root
+        self.deferred: list = []  # the root's segments, compiled on their second run (inductor_segments)
         emitted = 0
         for seg, group in enumerate(members):
             if group and self.segment(new, holder, env, group, f"segment_{emitted}", where):
@@ -242,7 +245,7 @@ class _Lowering:
                 raise BackendError(f"{i.format_node()} in {where} passes a {type(val).__name__} into an "
                                    "Inductor segment; use the default backend for this program.")
             metas.append(val)
-        setattr(holder, attr, compiled_segment(source, metas, where))
+        setattr(holder, attr, compiled_segment(source, metas, where, self.deferred if self.root else None))
         call = new.call_module(attr, tuple(env[i] for i in inputs))
         for k, out in enumerate(outputs):
             env[out] = new.call_function(operator.getitem, (call, k))

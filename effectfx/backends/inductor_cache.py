@@ -235,6 +235,17 @@ def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
     return code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
 
 
+def is_cached(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...] = ()) -> bool:
+    """Whether the variant serving ``hints``' sizes is at hand without compiling: in :data:`SEGMENTS`, or
+    saved by an earlier process."""
+    with _LOCK:
+        variants = SEGMENTS.get(_key(source, inputs), [])
+        if any(guards_hold(v.guards, hints) for v in variants):
+            return True
+    path = artifact_path(source, inputs)
+    return any(guards_hold(g, hints) for g, _ in _index(path)) if hints else path.is_file()
+
+
 def compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...] = ()
                     ) -> tuple[Compiled, str]:
     """The variant of the segment that serves ``hints``' sizes, compiled once per process (and set of

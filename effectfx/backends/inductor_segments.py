@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..errors import EffectfxWarning
 from . import progress
-from .inductor_cache import Compiled, Meta, compiled_or_why, guards_hold, input_metas, symbol
+from .inductor_cache import Compiled, Meta, compiled_or_why, guards_hold, input_metas, is_cached, symbol
 
 
 class InductorFallbackWarning(EffectfxWarning):
@@ -29,18 +29,27 @@ class InductorSegment(torch.nn.Module):
     ``compiled`` is Inductor's artifact, or None when the segment runs its aten graph (``source``).  The
     first call runs the artifact; when it holds one Inductor-compiled graph whose outputs are exactly the
     artifact's (checked on that call, value for value), later calls run that graph directly, without the
-    aot_autograd wrappers around it (about 20 us a call; a transformer block calls two segments a step)."""
+    aot_autograd wrappers around it (about 20 us a call; a transformer block calls two segments a step).
+
+    A *deferred* segment (one of the root graph's, which runs once a call; ``siblings``: that graph's
+    deferred segments) whose artifact is not at hand (compiled in this process or saved by an earlier
+    one) runs its aten graph on its first run and is compiled on its second: a program called once pays
+    no compile for its root, one called in a loop runs compiled from its second call on.  The second
+    call's compiles are one progress count: the first to compile counts its siblings in."""
 
     def __init__(self, source: fx.GraphModule, inputs: tuple[Meta, ...], where: str,
-                 hints: tuple[int, ...] = ()) -> None:
+                 hints: tuple[int, ...] = (), siblings: list[InductorSegment] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "source", source)  # the aten graph (not a submodule: printed apart)
         self.inputs = inputs
         self.hints = hints  # the example value of each symbol z<k> of ``inputs``
         self.where = where
+        self.defer = siblings is not None  # until the first run
+        self.siblings = siblings if siblings is not None else []
+        self.siblings.append(self)
         self._found: Compiled | None = None  # on first use
-        # how the first use got it ("compiled", "loaded", "cache hit", "fell back"; None: not run yet) and
-        # in how many seconds: what efx.explain shows per segment
+        # how the first use got it ("compiled", "loaded", "cache hit", "fell back", "deferred" until its
+        # second run; None: not run yet) and in how many seconds: what efx.explain shows per segment
         self.outcome: str | None = None
         self.compile_seconds = 0.0
         self.run: Any = None  # boxed: run([*tensors]) -> outputs; set by the first call
@@ -58,6 +67,10 @@ class InductorSegment(torch.nn.Module):
         backward of a program whose callers only ever backpropagate some outputs (Note [Partial
         backward]) -- costs no compile."""
         if self._found is None:
+            if self.outcome == "deferred":  # a new count: the siblings that will compile in this call
+                for s in self.siblings:
+                    if s.outcome == "deferred" and s._found is None:
+                        progress.lowered(s)
             start = time.perf_counter()
             self._found, self.outcome = compiled_or_why(self.source, self.inputs, self.hints)
             self.compile_seconds = time.perf_counter() - start
@@ -102,9 +115,20 @@ class InductorSegment(torch.nn.Module):
                 return run(list(args))
             except AssertionError:  # compiled code checks its inputs' layout first, before any work
                 return run(self._traced_layout(args))
-        if self.compiled is None:
+        if self.compiled_later() or self.compiled is None:
             return self.source(*args)
         return self._first_call(args)
+
+    def compiled_later(self) -> bool:
+        """Whether this run, a deferred segment's first, runs the aten graph (noted as "deferred")."""
+        if not self.defer:
+            return False
+        self.defer = False
+        if is_cached(self.source, self.inputs, self.hints):
+            return False
+        self.outcome = "deferred"
+        progress.finished(self, self.where, self.nodes, "deferred", 0.0)
+        return True
 
     def _traced_layout(self, args: tuple) -> list[torch.Tensor]:
         """The inputs, copied into the strides they were traced with where they differ (an expanded
@@ -160,11 +184,11 @@ class SymbolicSegment(torch.nn.Module):
     the sizes its guards admit, and other sizes get variants of their own, found by the call's sizes."""
 
     def __init__(self, source: fx.GraphModule, inputs: tuple[Meta, ...], where: str,
-                 hints: tuple[int, ...]) -> None:
+                 hints: tuple[int, ...], siblings: list[InductorSegment] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "source", source)
         self.inputs, self.where = inputs, where
-        self.first = InductorSegment(source, inputs, where, hints)
+        self.first = InductorSegment(source, inputs, where, hints, siblings)
         # where each symbol z<k> is read from a call: the first input dimension that is exactly it
         self.positions = [next(((i, d) for i, m in enumerate(inputs) for d, n in enumerate(m[0])
                                 if n == symbol(k)), None) for k in range(len(hints))]
@@ -196,6 +220,8 @@ class SymbolicSegment(torch.nn.Module):
         if one is not None:
             return one.forward(*args)
         first = self.first
+        if first.compiled_later():  # its first run, at whatever sizes
+            return self.source(*args)
         if not first.guards:
             self._one = first
             return first.forward(*args)
@@ -215,11 +241,14 @@ class SymbolicSegment(torch.nn.Module):
         return variant.forward(*args)
 
 
-def compiled_segment(source: fx.GraphModule, inputs: list[torch.Tensor], where: str) -> torch.nn.Module:
+def compiled_segment(source: fx.GraphModule, inputs: list[torch.Tensor], where: str,
+                     deferred: list[InductorSegment] | None = None) -> torch.nn.Module:
     """The segment ``source`` (canonical names, see ``_Lowering.segment``) on inputs like ``inputs`` (fakes,
-    perhaps with symbolic sizes), compiled once per process, on its first use."""
+    perhaps with symbolic sizes), compiled once per process, on its first use; with ``deferred`` (its
+    graph's deferred segments, which it joins), on its second (:class:`InductorSegment`)."""
     metas, hints = input_metas(inputs)
-    segment = SymbolicSegment(source, metas, where, hints) if hints else InductorSegment(source, metas, where)
+    segment = (SymbolicSegment(source, metas, where, hints, deferred) if hints
+               else InductorSegment(source, metas, where, siblings=deferred))
     progress.lowered(segment.first if isinstance(segment, SymbolicSegment) else segment)
     return segment
 

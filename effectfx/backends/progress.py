@@ -8,8 +8,10 @@ stderr: on a terminal one progress line updated in place (tqdm's, when tqdm is i
 
 The count ``n/m``: ``m`` is every segment lowered in this process that has not run yet, plus those that
 ran since the count last completed (``n``); it completes when every lowered segment has run, and the next
-segment lowered starts a new count.  A segment that never runs (the full backward of a program whose
-callers backpropagate some outputs only) keeps the count open while its program is alive.
+segment lowered starts a new count.  A root segment deferred on its first run counts again when it compiles
+on its second (``effectfx.backends.inductor_segments``), with the siblings that compile in the same call.
+A segment that never runs (the full backward of a program whose callers backpropagate some outputs only)
+keeps the count open while its program is alive.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def lowered(segment: Any) -> None:
 def finished(segment: Any, where: str, nodes: int, outcome: str, seconds: float,
              why: str | None = None) -> None:
     """Log that ``segment`` (of ``where``, ``nodes`` nodes) was made runnable: ``outcome`` is "compiled",
-    "loaded", "cache hit" or "fell back" (``why``), in ``seconds``."""
+    "loaded", "cache hit", "fell back" (``why``) or "deferred" (a root segment's first run), in
+    ``seconds``."""
     with _LOCK:
         _PENDING.discard(segment)
         _count["done"] += 1
@@ -52,7 +55,8 @@ def finished(segment: Any, where: str, nodes: int, outcome: str, seconds: float,
             _count["done"], _count["seconds"] = 0, 0.0
     if not LOGGER.isEnabledFor(logging.INFO):
         return
-    said = f"fell back ({why})" if outcome == "fell back" and why else outcome
+    said = (f"fell back ({why})" if outcome == "fell back" and why else
+            "deferred (runs un-compiled; compiles on its second run)" if outcome == "deferred" else outcome)
     LOGGER.info("segment %d/%d of %s (%d nodes): %s in %.2f s", n, m, where, nodes, said, seconds,
                 extra={"efx_n": n, "efx_m": m, "efx_where": where, "efx_nodes": nodes,
                        "efx_outcome": outcome, "efx_why": why, "efx_seconds": seconds,

@@ -84,7 +84,7 @@ class SegmentReport:
 
     name: str  # its attribute: "segment_0", "segment_0 variant 2"
     nodes: int
-    outcome: str | None  # "compiled", "loaded", "cache hit", "fell back"; None: not run yet
+    outcome: str | None  # "compiled", "loaded", "cache hit", "fell back", "deferred"; None: not run yet
     seconds: float
     why: str | None = None  # why it fell back
 
