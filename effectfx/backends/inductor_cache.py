@@ -204,12 +204,8 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int,
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     path = artifact_path(source, inputs)
-    if not hints and path.is_file():
-        loaded = _load(path)
-        if loaded is not None:
-            return Compiled(loaded, how="loaded")
-    for guards, saved in _index(path) if hints else ():
-        if guards_hold(guards, hints) and (loaded := _load(saved)) is not None:
+    for guards, saved in _saved(path, hints):
+        if (loaded := _load(saved)) is not None:
             return Compiled(loaded, guards=guards, how="loaded")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     try:
@@ -235,15 +231,27 @@ def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
     return code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
 
 
+def _saved(path: Path, hints: tuple[int, ...]) -> list[tuple[tuple[Any, ...], Path]]:
+    """The saved artifacts that may serve ``hints``' sizes, with their guards (a static segment's: one)."""
+    if not hints:
+        return [((), path)] if path.is_file() else []
+    return [(guards, saved) for guards, saved in _index(path) if guards_hold(guards, hints)]
+
+
+def _variant(variants: list[Compiled], hints: tuple[int, ...]) -> Compiled | None:
+    """The variant compiled in this process that serves ``hints``' sizes (a static segment has one)."""
+    if not hints:
+        return variants[0] if variants else None
+    return next((v for v in variants if guards_hold(v.guards, hints)), None)
+
+
 def is_cached(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...] = ()) -> bool:
     """Whether the variant serving ``hints``' sizes is at hand without compiling: in :data:`SEGMENTS`, or
     saved by an earlier process."""
     with _LOCK:
-        variants = SEGMENTS.get(_key(source, inputs), [])
-        if any(guards_hold(v.guards, hints) for v in variants):
+        if _variant(SEGMENTS.get(_key(source, inputs), []), hints) is not None:
             return True
-    path = artifact_path(source, inputs)
-    return any(guards_hold(g, hints) for g, _ in _index(path)) if hints else path.is_file()
+    return bool(_saved(artifact_path(source, inputs), hints))
 
 
 def compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int, ...] = ()
@@ -253,8 +261,7 @@ def compiled_or_why(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tup
     key = _key(source, inputs)
     with _LOCK:
         variants = SEGMENTS.setdefault(key, [])
-        found = next((v for v in variants if guards_hold(v.guards, hints)), None) if hints else (
-            variants[0] if variants else None)
+        found = _variant(variants, hints)
         if found is None:
             found = _compile(source, inputs, hints)
             variants.append(found)

@@ -43,19 +43,16 @@ class _Writer:
             self.names[name] = value
         return name
 
-    def read(self, holder: Any, steps: tuple, table: bool = False) -> str:
+    def read(self, holder: Any, steps: tuple) -> str:
         """The variable holding what ``steps`` read from ``holder`` (each prefix read once): an attribute,
-        ``("item", key)`` of a dict or ``("key", Ref(obj))`` (``identity.step``); with ``table``, the first
-        step is a key of the dict ``holder`` (``identity._first_step``: a module's ``_modules``)."""
+        ``("item", key)`` of a dict or ``("key", Ref(obj))`` (``identity.step``)."""
         var = self.constant(holder)
-        for k, name in enumerate(steps):
-            key = (var, name, table and k == 0)
+        for name in steps:
+            key = (var, name)
             nxt = self.reads.get(key)
             if nxt is None:
                 nxt = self.reads[key] = f"v{len(self.reads)}"
-                if key[2]:
-                    self.lines.append(f"{nxt} = {var}.get({name!r}, MISSING)")
-                elif isinstance(name, str):
+                if isinstance(name, str):
                     self.lines.append(f"{nxt} = getattr({var}, {name!r}, MISSING)")
                 else:
                     c = self.constant(name[1].obj if name[0] == "key" else name[1])
@@ -201,22 +198,17 @@ class _Tree:
         return "\n".join(lines)
 
 
-def _attribute_chains(out: _Tree | _Writer, fast: tuple, same: tuple, chains: tuple) -> None:
-    """The guards on attribute chains (most of them), into the tree or the code: the same reads."""
-    for obj, name, value in fast:
-        out.equal(out.read(obj, (name,)), value)
-    for holder, first, steps, value in same:
-        out.same(out.read(holder, (first, *steps), table=type(holder) is dict), value)
-    for holder, first, steps, value in chains:
-        out.equal(out.read(holder, (first, *steps), table=type(holder) is dict), value)
-
-
 def _compiled(split: tuple) -> Callable[[], bool]:
     """The guards ``object_guards`` split as a C++ tree and Python code for the rest (the module
     docstring)."""
     fast, same, chains, rest, hooks = split
     tree = _Tree()
-    _attribute_chains(tree, fast, same, chains)
+    for obj, name, value in fast:  # the guards on attribute chains: most of them
+        tree.equal(tree.read(obj, (name,)), value)
+    for holder, first, steps, value in same:
+        tree.same(tree.read(holder, (first, *steps), table=type(holder) is dict), value)
+    for holder, first, steps, value in chains:
+        tree.equal(tree.read(holder, (first, *steps), table=type(holder) is dict), value)
     python = []
     for path, expect in rest:
         # an attribute found missing or an object's state stay Python (a tree's read of a missing
@@ -230,7 +222,7 @@ def _compiled(split: tuple) -> Callable[[], bool]:
             tree.same(read, expect[1].obj)
         else:
             tree.equal(read, expect[2])
-    code = _generated(((), (), (), tuple(python), hooks))
+    code = _generated(tuple(python), hooks)
     root, roots = tree.root, tree.roots
     if code.source == _EMPTY:
         check = lambda: root.check(roots)  # noqa: E731
@@ -243,11 +235,11 @@ def _compiled(split: tuple) -> Callable[[], bool]:
 _EMPTY = "def check():\n    return True\n"
 
 
-def _generated(split: tuple) -> Callable[[], bool]:
-    """Straight-line code checking the guards ``object_guards`` split (the module docstring)."""
-    fast, same, chains, rest, (empty, hooked) = split
+def _generated(rest: tuple, hooks: tuple) -> Callable[[], bool]:
+    """Straight-line code checking the guards the tree cannot (``rest`` and ``hooks`` of what
+    ``object_guards`` splits; the module docstring)."""
+    empty, hooked = hooks
     out = _Writer()
-    _attribute_chains(out, fast, same, chains)
     general = []
     for path, expect in rest:
         steps = path[1:]
