@@ -60,14 +60,14 @@ LOAD_AT_START = list(os.getloadavg())
 NAME = "inductor"
 FIRST_CALL = ("efx", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")  # efx_hop too with --hop
 WARM = ("efx", "tc", "tc_pure")  # also measured in a second process on the cache the first filled
-STEADY = ("eager", "eager_pure", "efx", "efx_pure", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
+STEADY = ("eager", "eager_pure", "efx", "efx_pure", "efx_twin", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
 MODES = ("training", "inference")
 # the 12-layer models' first calls: 2 repetitions (the stack's 3), for a full run of about an hour
 FULL = {"configs": [("stack", 2), ("stack", 16), *((m, n) for m, n in defs.HF_LAYERS.items())],
         "reps": {"stack": 3, "gpt2": 2, "llama": 2}, "budget_s": 20.0, "systems": FIRST_CALL,
         "steady": STEADY}
 QUICK = {"configs": [("stack", 2)], "reps": {"stack": 1}, "budget_s": 2.0, "systems": ("efx", "tc_pure"),
-         "steady": ("eager", "efx", "tc_pure")}
+         "steady": ("eager", "efx", "efx_twin", "tc_pure")}
 
 
 # -- one first call, in a subprocess -----------------------------------------------------------------------

@@ -18,8 +18,9 @@ of ``invoke_subgraph`` (:func:`hop_lowering`: one ``compile_fx_inner`` per root 
 inside it) -- the alternative the backend was chosen against; ``tc`` = ``torch.compile(model,
 backend="inductor")`` on plain blocks; ``tc_ncr`` = the same with ``torch.compiler.nested_compile_region``
 blocks; ``*_pure``: the same model without the effect op (torch.compile fails on some effectful
-configurations; its effect-free run then stands in, marked ``*``).  Blocks are marked once per system (one
-class per marker and effect).
+configurations; its effect-free run then stands in, marked ``*``); ``efx_twin`` = ``efx`` again, its own
+module compiled apart (steady state only): how far two identical systems differ in one run.  Blocks are
+marked once per system (one class per marker and effect).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SYSTEMS: dict[str, tuple[str, str, bool]] = {
     "efx": ("efx", "efx", True),
     "efx_hop": ("efx_hop", "efx", True),
     "efx_pure": ("efx", "efx", False),
+    "efx_twin": ("efx", "efx", True),  # efx again, built and compiled apart: how far identical twins differ
     "tc": ("tc", "eager", True),
     "tc_ncr": ("tc", "tc", True),
     "tc_pure": ("tc", "eager", False),  # torch.compile fails on some effectful configurations (results)
