@@ -246,6 +246,58 @@ def test_root_input_updated_in_place_like_eager() -> None:
     assert compiled.stats.compiles == 1
 
 
+class _Counter(nn.Module):
+    """Updates a buffer in place and returns views of it (and it), as a KV cache's ``update`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(4))
+        self.w = nn.Parameter(torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.seen.add_(x)
+        return self.seen[:2], self.seen[1:].unsqueeze(0), self.seen, x * self.w
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_view_of_an_updated_buffer_aliases_it_like_eager(mode: str) -> None:
+    # eager returns views of the buffer: updating one later updates the buffer.  A training program's
+    # outputs come out of an autograd.Function, fresh tensors -- they must still be views of the buffer
+    results = []
+    for compiled in (True, False):
+        m = _Counter()
+        run = efx.compile(m) if compiled else m
+        with torch.no_grad() if mode == "inference" else contextlib.nullcontext():
+            for step in range(3):
+                head, tail, whole, y = run(torch.full((4,), float(step + 1)))
+        assert whole is m.seen
+        assert head.data_ptr() == m.seen.data_ptr() and tail.data_ptr() == m.seen.data_ptr() + 4
+        head.mul_(10)  # reaches the buffer, and through it the other view
+        tail[0, 2].fill_(-1)
+        if mode == "training":
+            y.sum().backward()
+        results.append((m.seen.clone(), head.clone(), tail.clone(), m.w.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_differentiable_view_of_an_updated_input_carries_its_gradient() -> None:
+    def f(acc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        acc.mul_(w)
+        return acc[1:]
+
+    results = []
+    for run in (efx.compile(f), f):
+        w = torch.linspace(1.0, 2.0, 3).requires_grad_()
+        acc = torch.ones(3) * 2
+        view = run(acc, w)
+        assert view.data_ptr() == acc.data_ptr() + 4  # a view of the caller's tensor
+        (view * torch.tensor([3.0, 5.0])).sum().backward()
+        results.append((acc.detach().clone(), view.detach().clone(), w.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
 def test_inplace_on_a_non_leaf_input_differentiates_like_eager() -> None:
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x.mul_(w)

@@ -112,6 +112,25 @@ def _alias(old: Any, new: Any) -> bool:
     return same_memory and old.shape == new.shape and old.stride() == new.stride() and old.dtype == new.dtype
 
 
+def onto_caller(out: Any, written: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """An output of a run as the caller sees it after the write-back (``written``: id of each updated
+    input's new value -> (the caller's tensor, that value)).  The new value itself is the caller's tensor
+    (``x.add_(1); return x``); a view of it (``return x[:2]``) becomes the same view of the caller's tensor,
+    as eager returns one -- so a later in-place update of the output reaches the input.  Where the two lay
+    their elements out differently the output stays the run's own tensor (docs/SUPPORT.md)."""
+    hit = written.get(id(out))
+    if hit is not None:
+        return hit[0]
+    base = getattr(out, "_base", None)
+    if base is None or (hit := written.get(id(base))) is None:
+        return out
+    target, new = hit
+    if target is new or target.shape != new.shape or target.stride() != new.stride():
+        return out
+    offset = out.storage_offset() - new.storage_offset() + target.storage_offset()
+    return target.as_strided(out.shape, out.stride(), offset)
+
+
 def _is_object(value: Any) -> bool:
     return hasattr(value, "__dict__") and type(value) in SUPPORTED_NODES and type(value) in _REGISTERED
 

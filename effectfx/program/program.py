@@ -23,7 +23,7 @@ from ..graph.meta import TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.walk import subgraphs
 from . import serialize
-from .containers import same_objects, value_at, write_into, write_state
+from .containers import onto_caller, same_objects, value_at, write_into, write_state
 from .printing import program_text
 from .records import BodyInfo, InputSignature, PassRecord, RegionEntry
 
@@ -157,9 +157,10 @@ class Program:
                 else:  # (vmap has no batching rule for _foreach_copy_)
                     for target, new in zip(*plain):
                         target.copy_(new)
-        # an output that is the updated input (``x.add_(1); return x``) is the caller's tensor, as in eager
-        written = {id(new): inputs[i] for i, new in zip(self.mutations, outs[n_user:])}
-        return [written.get(id(o), o) for o in outs[:n_user]]
+        # an output that is the updated input (``x.add_(1); return x``) is the caller's tensor, as in eager,
+        # and one that is a view of it (``return x[:2]``) a view of the caller's tensor
+        written = {id(new): (inputs[i], new) for i, new in zip(self.mutations, outs[n_user:])}
+        return [onto_caller(o, written) for o in outs[:n_user]]
 
     def check_state(self) -> None:
         """Refuse to run a captured training step on Python state other than the state it was captured
