@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+
+def debug_enabled() -> bool:
+    """``EFFECTFX_DEBUG=1`` (any value but empty or ``0``): errors keep every frame of torch and effectfx in
+    their tracebacks, and the pipeline verifies the program after every pass."""
+    return os.environ.get("EFFECTFX_DEBUG", "") not in ("", "0")
+
 
 class EffectfxError(Exception):
     """Base class of every error effectfx raises on purpose."""

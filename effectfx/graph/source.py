@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..errors import debug_enabled
+
 _SKIP = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
@@ -96,7 +98,7 @@ def trim_traceback(exc: BaseException) -> BaseException:
     """``exc`` with the frames of torch and effectfx dropped from its traceback: its message already
     names the user's line, and dozens of dispatcher frames only hide it.  ``EFFECTFX_DEBUG=1`` keeps
     them all."""
-    if os.environ.get("EFFECTFX_DEBUG") or exc.__traceback__ is None:
+    if debug_enabled() or exc.__traceback__ is None:
         return exc
     kept = []
     tb = exc.__traceback__

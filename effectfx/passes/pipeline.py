@@ -6,20 +6,16 @@ that broke the graph.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ..errors import debug_enabled
 from ..program.program import Program, TrainingProgram
 from ..program.records import PassRecord
 
 P = TypeVar("P", Program, TrainingProgram)
 Pass = Callable[[Program], Program]
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("EFFECTFX_DEBUG", "") not in ("", "0")
 
 
 def _apply(pass_: Pass, prog: Program) -> Program:
