@@ -281,6 +281,45 @@ def test_a_view_of_an_updated_buffer_aliases_it_like_eager(mode: str) -> None:
         torch.testing.assert_close(got, want)
 
 
+def test_a_view_of_an_updated_buffer_as_another_dtype_keeps_its_values() -> None:
+    def f(bits: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bits.add_(1)
+        return bits.view(torch.int32), (w * 2).sum()
+
+    results = []
+    for run in (efx.compile(f), f):
+        bits, w = torch.arange(4.0), torch.ones(2, requires_grad=True)  # w: a training program
+        as_ints, total = run(bits, w)
+        total.backward()
+        results.append((as_ints, bits, w.grad))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+
+
+def test_onto_caller_rebuilds_only_views_it_can_lay_onto_the_callers_tensor() -> None:
+    from effectfx.program.containers import onto_caller
+
+    target, new = torch.zeros(2, 4), torch.arange(8.0).reshape(2, 4)
+    written = {id(new): (target, new)}
+    assert onto_caller(new, written) is target
+    row = onto_caller(new[1, 1:], written)
+    assert row.data_ptr() == target.data_ptr() + 5 * 4 and row.shape == (3,)
+    as_ints = new.view(torch.int32)  # another dtype: as_strided on the caller's tensor would misread it
+    assert onto_caller(as_ints, written) is as_ints
+    strided = torch.zeros(4, 2).t()  # the caller's tensor laid out otherwise than the new value
+    fresh = torch.ones(2, 4)
+    view = fresh[0]
+    assert onto_caller(view, {id(fresh): (strided, fresh)}) is view
+    unrelated = torch.ones(3)[1:]
+    assert onto_caller(unrelated, written) is unrelated
+    buffer = torch.arange(16.0)  # compiled code's outputs: views of one buffer
+    in_buffer, beside = buffer[:8].view(2, 4), buffer[8:10]
+    written = {id(in_buffer): (target, in_buffer)}
+    assert onto_caller(beside, written) is beside  # not an element of the new value
+    assert onto_caller(in_buffer[1], written).data_ptr() == target.data_ptr() + 4 * 4
+
+
 def test_a_differentiable_view_of_an_updated_input_carries_its_gradient() -> None:
     def f(acc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         acc.mul_(w)

@@ -117,18 +117,33 @@ def onto_caller(out: Any, written: dict[int, tuple[torch.Tensor, torch.Tensor]])
     input's new value -> (the caller's tensor, that value)).  The new value itself is the caller's tensor
     (``x.add_(1); return x``); a view of it (``return x[:2]``) becomes the same view of the caller's tensor,
     as eager returns one -- so a later in-place update of the output reaches the input.  Where the two lay
-    their elements out differently the output stays the run's own tensor (docs/SUPPORT.md)."""
+    their elements out differently, or the view reads them as another dtype, the output stays the run's own
+    tensor (docs/SUPPORT.md)."""
     hit = written.get(id(out))
     if hit is not None:
         return hit[0]
     base = getattr(out, "_base", None)
-    if base is None or (hit := written.get(id(base))) is None:
+    if base is None:
         return out
+    hit = written.get(id(base))
+    if hit is None:  # both views of one buffer (compiled code returns views of its buffers)
+        hit = next((h for h in written.values() if h[1]._base is base and _within(out, h[1])), None)
+        if hit is None:
+            return out
     target, new = hit
-    if target is new or target.shape != new.shape or target.stride() != new.stride():
+    if (target is new or out.dtype != new.dtype  # (a view as another dtype, ``x.view(torch.int32)``)
+            or target.shape != new.shape or target.stride() != new.stride()):
         return out
     offset = out.storage_offset() - new.storage_offset() + target.storage_offset()
     return target.as_strided(out.shape, out.stride(), offset)
+
+
+def _within(out: torch.Tensor, new: torch.Tensor) -> bool:
+    """Every element of ``out`` is an element of ``new`` (contiguous: its memory is one span)."""
+    if not new.is_contiguous() or out.numel() == 0:
+        return False
+    last = out.storage_offset() + sum((n - 1) * st for n, st in zip(out.shape, out.stride()))
+    return new.storage_offset() <= out.storage_offset() and last < new.storage_offset() + new.numel()
 
 
 def _is_object(value: Any) -> bool:
