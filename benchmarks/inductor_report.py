@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks import common
 from benchmarks.common import median
 
@@ -24,8 +26,6 @@ def paired(samples: dict[str, list[float]], a: str, b: str) -> dict[str, float] 
     systems built apart differ by, which a ratio this close to a limit cannot be told from."""
     if not samples.get(a) or not samples.get(b) or len(samples[a]) != len(samples[b]):
         return None
-    import numpy as np
-
     ratios = np.asarray(samples[a]) / np.asarray(samples[b])
     picks = np.random.default_rng(0).integers(0, len(ratios), (RESAMPLES, len(ratios)))
     low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
