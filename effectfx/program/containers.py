@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 Position = tuple[str, Any]  # ("arg", index) or ("kwarg", name): a top-level argument of a call
@@ -112,27 +113,35 @@ def _alias(old: Any, new: Any) -> bool:
     return same_memory and old.shape == new.shape and old.stride() == new.stride() and old.dtype == new.dtype
 
 
-def onto_caller(out: Any, written: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """An output of a run as the caller sees it after the write-back (``written``: id of each updated
-    input's new value -> (the caller's tensor, that value)).  The new value itself is the caller's tensor
-    (``x.add_(1); return x``); a view of it (``return x[:2]``) becomes the same view of the caller's tensor,
-    as eager returns one -- so a later in-place update of the output reaches the input.  Where the two lay
-    their elements out differently, or the view reads them as another dtype, the output stays the run's own
-    tensor (docs/SUPPORT.md)."""
-    hit = written.get(id(out))
-    if hit is not None:
-        return hit[0]
-    base = getattr(out, "_base", None)
-    if base is None:
-        return out
-    hit = written.get(id(base))
-    if hit is None:  # both views of one buffer (compiled code returns views of its buffers)
-        hit = next((h for h in written.values() if h[1]._base is base and _within(out, h[1])), None)
-        if hit is None:
-            return out
-    target, new = hit
-    if (target is new or out.dtype != new.dtype  # (a view as another dtype, ``x.view(torch.int32)``)
-            or target.shape != new.shape or target.stride() != new.stride()):
+def view_outputs(outputs: list[Any], n_mutations: int) -> tuple[tuple[int, int], ...]:
+    """``(k, j)``: the user's output ``k`` shares memory with the new value of updated input ``j`` (as the
+    capture's fake values show: eager returns a view of the input, ``x.add_(1); return x[:2]``).
+    ``outputs``: the graph's output nodes, the user's then the new values (Note [Mutations]).  An output
+    whose fake value is unknown (a loaded program) is paired with every updated input: the run decides."""
+    n_user = len(outputs) - n_mutations
+
+    def storage(node: Any) -> Any:
+        val = node.meta.get("val") if hasattr(node, "meta") else None
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+    news = [storage(n) for n in outputs[n_user:]]
+    pairs = []
+    for k, node in enumerate(outputs[:n_user]):
+        if node is None or node in outputs[n_user:] or not hasattr(node, "meta"):
+            continue  # nothing, the new value itself (the caller's tensor), a constant
+        mine = storage(node)
+        pairs += [(k, j) for j, other in enumerate(news) if mine is None or other is None or mine == other]
+    return tuple(pairs)
+
+
+def onto_caller(out: Any, target: torch.Tensor, new: torch.Tensor) -> Any:
+    """``out``, a view of updated input's new value ``new``, as the same view of the caller's ``target``
+    (eager returns one: a later in-place update of the output reaches the input).  Where the run's code
+    did not return a view of ``new`` (it copied), the two lay their elements out differently, or the view
+    reads them as another dtype, ``out`` stays the run's own tensor (docs/SUPPORT.md)."""
+    if (not isinstance(out, torch.Tensor) or target is new or out.dtype != new.dtype
+            or target.shape != new.shape or target.stride() != new.stride()
+            or out.untyped_storage().data_ptr() != new.untyped_storage().data_ptr() or not _within(out, new)):
         return out
     offset = out.storage_offset() - new.storage_offset() + target.storage_offset()
     return target.as_strided(out.shape, out.stride(), offset)

@@ -23,7 +23,7 @@ from ..graph.meta import TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.walk import subgraphs
 from . import serialize
-from .containers import onto_caller, same_objects, value_at, write_into, write_state
+from .containers import onto_caller, same_objects, value_at, view_outputs, write_into, write_state
 from .printing import program_text
 from .records import BodyInfo, InputSignature, PassRecord, RegionEntry
 
@@ -59,6 +59,7 @@ class Program:
     # whether the Python state the step starts from is still the state it was captured from (its guards;
     # set by the capture driver for a program with state_writes: efx.capture's program refuses otherwise)
     state_holds: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    _views: list = field(default_factory=list, init=False, compare=False, repr=False)  # (view_outputs)
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -159,8 +160,15 @@ class Program:
                         target.copy_(new)
         # an output that is the updated input (``x.add_(1); return x``) is the caller's tensor, as in eager,
         # and one that is a view of it (``return x[:2]``) a view of the caller's tensor
-        written = {id(new): (inputs[i], new) for i, new in zip(self.mutations, outs[n_user:])}
-        return [onto_caller(o, written) for o in outs[:n_user]]
+        written = {id(new): inputs[i] for i, new in zip(self.mutations, outs[n_user:])}
+        result = [written.get(id(o), o) for o in outs[:n_user]]
+        if not self._views:  # which outputs may be views of an updated input: once, from the graph
+            graph_outs = list(next(reversed(self.graph_module.graph.nodes)).args[0])
+            graph_outs = graph_outs[len(self.token_keys):len(graph_outs) - self.n_extra_outputs]
+            self._views.append(view_outputs(graph_outs, len(self.mutations)))
+        for k, j in self._views[0]:
+            result[k] = onto_caller(result[k], inputs[self.mutations[j]], outs[n_user + j])
+        return result
 
     def check_state(self) -> None:
         """Refuse to run a captured training step on Python state other than the state it was captured
