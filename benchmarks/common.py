@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch._library.effects import EffectType
 
@@ -124,6 +125,20 @@ def median(values: Iterable[float]) -> float:
         return float("nan")
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def paired(a: list[float] | None, b: list[float] | None, resamples: int = 4000) -> dict[str, float] | None:
+    """The per-round ratio ``a / b`` of two systems timed in the same shuffled rounds: its median, quartiles
+    and the bootstrap 95 % interval of the median (the rounds' scatter only: it does not cover what two
+    instances of one system built apart differ by).  None unless both ran in every round."""
+    if not a or not b or len(a) != len(b):
+        return None
+    ratios = np.asarray(a) / np.asarray(b)
+    picks = np.random.default_rng(0).integers(0, len(ratios), (resamples, len(ratios)))
+    low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+    ordered = sorted(ratios.tolist())
+    return {"median": float(np.median(ratios)), "q1": ordered[len(ordered) // 4],
+            "q3": ordered[(3 * len(ordered)) // 4], "low": float(low), "high": float(high)}
 
 
 def quiet_gc() -> None:

@@ -439,12 +439,10 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def _paired(samples: dict[str, Any], system: str, other: str, field: str) -> dict[str, float] | None:
-    """Median and quartiles of the per-round ratio ``system / other`` (one call of each per round)."""
-    a, b = samples.get(system, {}).get(field), samples.get(other, {}).get(field)
-    if system == other or not a or not b or len(a) != len(b):
+    """The per-round ratio ``system / other`` of ``field`` (one call of each per round): common.paired."""
+    if system == other:
         return None
-    ratios = sorted(x / y for x, y in zip(a, b))
-    return {"median": median(ratios), "q1": ratios[len(ratios) // 4], "q3": ratios[(3 * len(ratios)) // 4]}
+    return common.paired(samples.get(system, {}).get(field), samples.get(other, {}).get(field))
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:

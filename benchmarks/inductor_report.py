@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks import common
 from benchmarks.common import median
 
@@ -17,21 +15,6 @@ STEP_TAGS = ("stack/16", *HF_TAGS)
 FIRST_LIMITS = {"tc_ncr": 0.8, "tc": 0.5}
 WARM_LIMIT_S = 1.0
 STEP_LIMITS = {"tc": 1.0, "eager": 0.95}
-RESAMPLES = 4000  # bootstrap of the paired per-round ratios' median
-
-
-def paired(samples: dict[str, list[float]], a: str, b: str) -> dict[str, float] | None:
-    """``a / b`` round by round (both ran in every shuffled round): the median ratio and its bootstrap 95%
-    interval.  The interval covers the rounds' scatter only; ``efx_twin / efx`` shows what identical
-    systems built apart differ by, which a ratio this close to a limit cannot be told from."""
-    if not samples.get(a) or not samples.get(b) or len(samples[a]) != len(samples[b]):
-        return None
-    ratios = np.asarray(samples[a]) / np.asarray(samples[b])
-    picks = np.random.default_rng(0).integers(0, len(ratios), (RESAMPLES, len(ratios)))
-    low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
-    return {"median": float(np.median(ratios)), "low": float(low), "high": float(high)}
-
-
 def _median_of(runs: list[dict[str, Any]], field: str) -> float | None:
     values = [r[field] for r in runs if r.get("status") == "ok" and field in r]  # (older runs lack some)
     return median(values) if values else None
@@ -77,8 +60,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 s[f"{mode}_{other}_used"] = used
                 s[f"{mode}_efx_over_{other}"] = _div(ms.get("efx"), ms.get(used))
                 s[f"{mode}_efx_over_{other}_cpu"] = _div(cms.get("efx"), cms.get(used))
-                s[f"{mode}_efx_over_{other}_paired"] = paired(samples, "efx", used)
-            s[f"{mode}_twin"] = paired(samples, "efx_twin", "efx")
+                s[f"{mode}_efx_over_{other}_paired"] = common.paired(samples.get("efx"), samples.get(used))
+            s[f"{mode}_twin"] = common.paired(samples.get("efx_twin"), samples.get("efx"))
             s[f"{mode}_tc_over_eager"] = _div(ms.get(s.get(f"{mode}_tc_used", "")), ms.get("eager"))
         out[tag] = s
     out["efx_growth_stack_2_to_16"] = _div(wall.get("stack/16/efx/fresh"), wall.get("stack/2/efx/fresh"))

@@ -24,15 +24,6 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _paired(samples: dict[str, list[float]], system: str, other: str) -> dict[str, float] | None:
-    """Median and quartiles of the per-round ratio ``system / other`` (one sample of each per round)."""
-    a, b = samples.get(system), samples.get(other)
-    if system == other or not a or not b or len(a) != len(b):
-        return None
-    ratios = sorted(x / y for x, y in zip(a, b))
-    return {"median": median(ratios), "q1": ratios[len(ratios) // 4], "q3": ratios[(3 * len(ratios)) // 4]}
-
-
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
     """Per system: first calls, captures, the steady step, its ratios, the checks; each target's verdict."""
     first, steady = data["first_call"], data["steady_state"]
@@ -79,7 +70,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             mine = other != system
             s[f"over_{key}"] = _div(step.get(system), step.get(other)) if mine else None
             s[f"cpu_over_{key}"] = _div(step_cpu.get(system), step_cpu.get(other)) if mine else None
-            s[f"paired_over_{key}"] = _paired(samples, system, other)
+            s[f"paired_over_{key}"] = None if system == other else common.paired(samples.get(system),
+                                                                               samples.get(other))
         s["first_over_eager"] = _div(s["first_s"], _median_of(
             [r["calls"][0]["wall_s"] for r in first.get(ref, []) if r.get("status") == "ok"]))
         out[system] = s

@@ -1,5 +1,6 @@
-"""``benchmarks/inductor_report.py``: the paired per-round step ratios, their interval and the twins' noise
-floor that qualify issue 26's step verdicts, and the report over the committed full run's JSON."""
+"""``common.paired`` (the per-round step ratios of every benchmark, with their interval) and
+``benchmarks/inductor_report.py``: the twins' noise floor that qualifies issue 26's step verdicts, and the
+report over the committed full run's JSON."""
 
 from __future__ import annotations
 
@@ -25,21 +26,29 @@ def report():  # type: ignore[no-untyped-def]
     return inductor_report
 
 
-def test_paired_ratio_is_round_by_round(report) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def common(report):  # type: ignore[no-untyped-def]
+    from benchmarks import common
+
+    return common  # common.paired: the paired ratios of every benchmark's report
+
+
+def test_paired_ratio_is_round_by_round(common) -> None:  # type: ignore[no-untyped-def]
     # b drifts upward, a stays 1.1x b in every round: the ratio of medians would see the drift, pairs do not
     b = [10.0 + k for k in range(40)]
     a = [1.1 * x for x in b]
-    p = report.paired({"a": a, "b": b}, "a", "b")
+    p = common.paired(a, b)
     assert p["median"] == pytest.approx(1.1)
     assert p["low"] == pytest.approx(1.1) and p["high"] == pytest.approx(1.1)
-    assert report.paired({"a": a, "b": b[:-1]}, "a", "b") is None  # not from the same rounds
-    assert report.paired({"a": a}, "a", "b") is None
+    assert p["q1"] == pytest.approx(1.1) and p["q3"] == pytest.approx(1.1)
+    assert common.paired(a, b[:-1]) is None  # not from the same rounds
+    assert common.paired(a, None) is None
 
 
-def test_interval_widens_with_scatter(report) -> None:  # type: ignore[no-untyped-def]
+def test_interval_widens_with_scatter(common) -> None:  # type: ignore[no-untyped-def]
     b = [10.0] * 60
     a = [10.0 * (0.9 if k % 2 else 1.12) for k in range(60)]
-    p = report.paired({"a": a, "b": b}, "a", "b")
+    p = common.paired(a, b)
     assert p["low"] < 1.0 < p["high"]
 
 
