@@ -293,6 +293,18 @@ def test_the_capture_names_the_outputs_that_are_views_of_an_updated_buffer() -> 
     assert view_outputs(outputs, len(prog.forward.mutations)) == ((0, 0), (1, 0))
 
 
+def test_a_loaded_program_returns_views_of_its_buffer(tmp_path: Any) -> None:
+    model = _Counter().requires_grad_(False)
+    path = tmp_path / "counter.efx"
+    efx.remove_effect_tokens(efx.capture(model, torch.ones(4))).save(path)
+    loaded = efx.load(path)  # its graph's values are meta tensors: no aliasing to read from them
+    head, tail, whole, _ = loaded(torch.ones(4))
+    seen = loaded.lifted[0]
+    assert whole is seen and head.data_ptr() == seen.data_ptr() and tail.data_ptr() == seen.data_ptr() + 4
+    head.mul_(10)
+    torch.testing.assert_close(seen, torch.tensor([10.0, 10.0, 1.0, 1.0]))
+
+
 def test_onto_caller_rebuilds_only_views_it_can_lay_onto_the_callers_tensor() -> None:
     from effectfx.program.containers import onto_caller
 

@@ -117,20 +117,26 @@ def view_outputs(outputs: list[Any], n_mutations: int) -> tuple[tuple[int, int],
     """``(k, j)``: the user's output ``k`` shares memory with the new value of updated input ``j`` (as the
     capture's fake values show: eager returns a view of the input, ``x.add_(1); return x[:2]``).
     ``outputs``: the graph's output nodes, the user's then the new values (Note [Mutations]).  An output
-    whose fake value is unknown (a loaded program) is paired with every updated input: the run decides."""
+    whose fake value is unknown is paired with every updated input, and the run decides: a loaded program's
+    values are meta tensors made one by one, which know nothing of aliasing."""
     n_user = len(outputs) - n_mutations
 
     def storage(node: Any) -> Any:
         val = node.meta.get("val") if hasattr(node, "meta") else None
-        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, FakeTensor) else None
 
-    news = [storage(n) for n in outputs[n_user:]]
+    new_nodes = set(outputs[n_user:])
+    by_storage: dict[Any, list[int]] = {}
+    for j, node in enumerate(outputs[n_user:]):
+        by_storage.setdefault(storage(node), []).append(j)
+    unknown = by_storage.pop(None, [])
+    everyone = list(range(n_mutations))
     pairs = []
     for k, node in enumerate(outputs[:n_user]):
-        if node is None or node in outputs[n_user:] or not hasattr(node, "meta"):
-            continue  # nothing, the new value itself (the caller's tensor), a constant
+        if not hasattr(node, "meta") or node in new_nodes:
+            continue  # nothing or a constant, or the new value itself (the caller's tensor)
         mine = storage(node)
-        pairs += [(k, j) for j, other in enumerate(news) if mine is None or other is None or mine == other]
+        pairs += [(k, j) for j in (everyone if mine is None else sorted(by_storage.get(mine, []) + unknown))]
     return tuple(pairs)
 
 
