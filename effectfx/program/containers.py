@@ -113,30 +113,30 @@ def _alias(old: Any, new: Any) -> bool:
     return same_memory and old.shape == new.shape and old.stride() == new.stride() and old.dtype == new.dtype
 
 
-def view_outputs(outputs: list[Any], n_mutations: int) -> tuple[tuple[int, int], ...]:
-    """``(k, j)``: the user's output ``k`` shares memory with the new value of updated input ``j`` (as the
-    capture's fake values show: eager returns a view of the input, ``x.add_(1); return x[:2]``).
-    ``outputs``: the graph's output nodes, the user's then the new values (Note [Mutations]).  An output
-    whose fake value is unknown is paired with every updated input, and the run decides: a loaded program's
-    values are meta tensors made one by one, which know nothing of aliasing."""
+def view_outputs(outputs: list[Any], values: list[Any], n_mutations: int) -> tuple[tuple[int, int], ...]:
+    """``(k, j)``: the user's output ``k`` shares memory with the new value of updated input ``j``: eager
+    returns a view of the input (``x.add_(1); return x[:2]``).  ``outputs``: the graph's output nodes, the
+    user's then the new values (Note [Mutations]); ``values``: what a run returned for them.  Read from the
+    capture's fake values; a loaded program's values are meta tensors made one by one, which know nothing
+    of aliasing, so there the memory of this run's values decides (the same code runs every time)."""
     n_user = len(outputs) - n_mutations
+    vals = [getattr(node, "meta", {}).get("val") for node in outputs]
+    fakes = all(isinstance(v, FakeTensor) for v, x in zip(vals, values) if isinstance(x, torch.Tensor))
 
-    def storage(node: Any) -> Any:
-        val = node.meta.get("val") if hasattr(node, "meta") else None
-        return StorageWeakRef(val.untyped_storage()) if isinstance(val, FakeTensor) else None
+    def memory(i: int) -> Any:
+        if fakes:
+            return StorageWeakRef(vals[i].untyped_storage()) if isinstance(vals[i], FakeTensor) else None
+        return values[i].untyped_storage().data_ptr() if isinstance(values[i], torch.Tensor) else None
 
-    new_nodes = set(outputs[n_user:])
-    by_storage: dict[Any, list[int]] = {}
-    for j, node in enumerate(outputs[n_user:]):
-        by_storage.setdefault(storage(node), []).append(j)
-    unknown = by_storage.pop(None, [])
-    everyone = list(range(n_mutations))
+    by_memory: dict[Any, list[int]] = {}
+    for j in range(n_mutations):
+        by_memory.setdefault(memory(n_user + j), []).append(j)
+    by_memory.pop(None, None)
+    new_nodes = {id(node) for node in outputs[n_user:]}
     pairs = []
-    for k, node in enumerate(outputs[:n_user]):
-        if not hasattr(node, "meta") or node in new_nodes:
-            continue  # nothing or a constant, or the new value itself (the caller's tensor)
-        mine = storage(node)
-        pairs += [(k, j) for j in (everyone if mine is None else sorted(by_storage.get(mine, []) + unknown))]
+    for k in range(n_user):
+        if id(outputs[k]) not in new_nodes:  # (the new value itself is the caller's tensor already)
+            pairs += [(k, j) for j in by_memory.get(memory(k), [])]
     return tuple(pairs)
 
 

@@ -165,7 +165,7 @@ class Program:
         if not self._views:  # which outputs may be views of an updated input: once, from the graph
             graph_outs = list(next(reversed(self.graph_module.graph.nodes)).args[0])
             graph_outs = graph_outs[len(self.token_keys):len(graph_outs) - self.n_extra_outputs]
-            self._views.append(view_outputs(graph_outs, len(self.mutations)))
+            self._views.append(view_outputs(graph_outs, outs, len(self.mutations)))
         for k, j in self._views[0]:
             result[k] = onto_caller(result[k], inputs[self.mutations[j]], outs[n_user + j])
         return result
