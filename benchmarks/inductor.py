@@ -14,7 +14,9 @@ against eager (outputs, gradients, effect count); effectfx's also records every 
 (the ``effectfx.inductor`` log).  Steady state: every system warmed up in one process, its training step
 and its inference step (``torch.no_grad()``, compiled apart) each checked against eager, then all timed
 interleaved in shuffled order (samples of >= 20 ms, ~budget seconds per model), medians of wall and CPU
-time.  A system whose every first call failed is not trained again there (its inference step still is).
+time; that in 3 processes per configuration (``--quick``: 1), each building and compiling every system anew,
+whose ratios the summary takes the median of.  A system whose every first call failed is not trained again
+there (its inference step still is).
 
 Run: ``python benchmarks/inductor.py [--quick] [--out DIR] [--reps R] [--hop]``; ``--hop`` adds effectfx's
 capture through torch's ``invoke_subgraph`` lowering (``efx_hop``, left out by default).  A full run writes
@@ -63,11 +65,13 @@ WARM = ("efx", "tc", "tc_pure")  # also measured in a second process on the cach
 STEADY = ("eager", "eager_pure", "efx", "efx_pure", "efx_twin", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
 MODES = ("training", "inference")
 # the 12-layer models' first calls: 2 repetitions (the stack's 3), for a full run of about an hour
+# steady state: 3 processes per configuration, each building and compiling every system anew (two builds of
+# one system differ by up to ~7 % between processes, while they agree to ~2 % within one)
 FULL = {"configs": [("stack", 2), ("stack", 16), *((m, n) for m, n in defs.HF_LAYERS.items())],
         "reps": {"stack": 3, "gpt2": 2, "llama": 2}, "budget_s": 20.0, "systems": FIRST_CALL,
-        "steady": STEADY}
+        "steady": STEADY, "steady_processes": 3}
 QUICK = {"configs": [("stack", 2)], "reps": {"stack": 1}, "budget_s": 2.0, "systems": ("efx", "tc_pure"),
-         "steady": ("eager", "efx", "efx_twin", "tc_pure")}
+         "steady": ("eager", "efx", "efx_twin", "tc_pure"), "steady_processes": 1}
 
 
 # -- one first call, in a subprocess -----------------------------------------------------------------------
@@ -270,7 +274,8 @@ def run(quick: bool = False, reps: int | None = None, hop: bool = False) -> dict
     steady_systems = [*cfg["steady"], *(("efx_hop",) if hop else ())]
     first: dict[str, list[dict[str, Any]]] = {}
     per_rep = len(systems) + len(set(WARM) & set(systems))
-    progress = common.Progress(sum(rep_of[m] for m, _ in configs) * per_rep + len(configs), NAME)
+    n_steady = cfg["steady_processes"]
+    progress = common.Progress(sum(rep_of[m] for m, _ in configs) * per_rep + len(configs) * n_steady, NAME)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="efx-inductor-bench-") as tmp:
         for rep in range(max(rep_of.values())):
@@ -291,18 +296,21 @@ def run(quick: bool = False, reps: int | None = None, hop: bool = False) -> dict
                             result = _child(spec, cache)
                         first.setdefault(key, []).append(result)
                         progress.step(key)
-        steady = {}
-        for model, n in configs:
-            skip = {s: runs[0]["status"] for s in steady_systems if (runs := first.get(
-                f"{model}/{n}/{s}/fresh")) and all(r["status"] != "ok" for r in runs)}
-            spec = {"mode": "steady", "model": model, "n": n, "systems": steady_systems, "skip": skip,
-                    "budget_s": cfg["budget_s"]}
-            steady[f"{model}/{n}"] = _child(spec, tempfile.mkdtemp(dir=tmp))
-            progress.step(f"{model}/{n} steady state")
+        steady: dict[str, dict[str, list[Any]]] = {f"{m}/{n}": {"processes": []} for m, n in configs}
+        caches = {tag: tempfile.mkdtemp(dir=tmp) for tag in steady}  # later processes load the first one's
+        for k in range(n_steady):  # processes of one configuration apart in time: drift hits all alike
+            for model, n in configs:
+                skip = {s: runs[0]["status"] for s in steady_systems if (runs := first.get(
+                    f"{model}/{n}/{s}/fresh")) and all(r["status"] != "ok" for r in runs)}
+                spec = {"mode": "steady", "model": model, "n": n, "systems": steady_systems, "skip": skip,
+                        "budget_s": cfg["budget_s"]}
+                steady[f"{model}/{n}"]["processes"].append(_child(spec, caches[f"{model}/{n}"]))
+                progress.step(f"{model}/{n} steady state, process {k + 1} of {n_steady}")
     machine = common.machine_info()
     machine["load_average_start"], machine["duration_s"] = LOAD_AT_START, time.time() - started
     data = {"machine": machine,
             "config": {"quick": quick, "reps": rep_of, "configs": configs, "budget_s": cfg["budget_s"],
+                       "steady_processes": n_steady,
                        "systems": {k: SYSTEMS[k] for k in dict.fromkeys([*systems, *steady_systems])},
                        "stack": {"width": defs.WIDTH, "batch": defs.BATCH, "seq": defs.SEQ},
                        "hf": {"layers": defs.HF_LAYERS, "batch": defs.GPT2_BATCH, "seq": defs.SEQ}},
