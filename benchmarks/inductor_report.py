@@ -33,7 +33,11 @@ def _step_used(ms: dict[str, float], other: str) -> str:
 def processes(st: dict[str, Any]) -> list[dict[str, Any]]:
     """A configuration's steady-state processes that ran (each built and compiled every system anew); a
     run before ``processes`` was one process."""
-    return [p for p in st.get("processes", [st]) if isinstance(p.get("status"), dict)]
+    return [p for p in _every(st) if isinstance(p.get("status"), dict)]
+
+
+def _every(st: dict[str, Any]) -> list[dict[str, Any]]:
+    return st.get("processes", [st])
 
 
 def _ms(p: dict[str, Any], field: str, mode: str) -> dict[str, float]:
@@ -46,8 +50,7 @@ def merged(st: dict[str, Any]) -> dict[str, Any]:
     process's checks, and the failures of processes that did not run."""
     procs = processes(st)
     out: dict[str, Any] = {"status": {}, "checks": {}, "step_ms": {}, "step_cpu_ms": {},
-                           "failed": [p["status"] for p in st.get("processes", [st])
-                                      if not isinstance(p.get("status"), dict)]}
+                           "failed": [p["status"] for p in _every(st) if p not in procs]}
     for mode in MODES:
         for field in ("step_ms", "step_cpu_ms"):
             systems = dict.fromkeys(k for p in procs for k in _ms(p, field, mode))
@@ -219,12 +222,11 @@ def table(data: dict[str, Any]) -> str:
             f"its root's segments then); one-time warm-up apart, median {warm}",
             common.format_table(["model/N/system/cache", "wall", "cpu", "second", "ok", "vs eager",
                                  "failure"], rows)]
+    views = {tag: merged(st) for tag, st in data["steady_state"].items()}
     for mode in MODES:
-        systems = list(dict.fromkeys(s for st in data["steady_state"].values()
-                                     for s in merged(st)["status"][mode]))
+        systems = list(dict.fromkeys(s for steps in views.values() for s in steps["status"][mode]))
         rows = []
-        for tag, st in data["steady_state"].items():
-            steps = merged(st)
+        for tag, steps in views.items():
             ms, cms = steps["step_ms"][mode], steps["step_cpu_ms"][mode]
             rows.append([tag, *[_pair(ms.get(k), cms.get(k)) for k in systems]])
             rows += [[f"  {tag} {k}: {v[:100]}", *[""] * len(systems)]
@@ -263,6 +265,7 @@ def plot(data: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     summary, tags = data["summary"], list(data["steady_state"])
+    views = {tag: merged(st) for tag, st in data["steady_state"].items()}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [1.3, 1, 1]})
     left = axes[0]
     bars = [("efx", "fresh", "effectfx"), ("efx", "warm", "effectfx, warm cache"),
@@ -295,7 +298,7 @@ def plot(data: dict[str, Any], path: Path) -> Path:
                                              ("tc_ncr", "torch.compile + ncr"), ("tc", "torch.compile")]):
             xs, ratio = [], []
             for x, tag in enumerate(tags):
-                ms = merged(data["steady_state"][tag])["step_ms"][mode]
+                ms = views[tag]["step_ms"][mode]
                 used = _step_used(ms, system)
                 if used in ms and ms.get("eager"):
                     xs.append(x + (k - 1.5) * 0.2)
