@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import ops
-from .capture.dynamic import mark_dynamic, mark_static
+from .capture.shapes import mark_dynamic, mark_static
 from .drivers.callable import CompiledCallable
 from .drivers.capture import capture
 from .drivers.compile import compile

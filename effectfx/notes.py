@@ -30,7 +30,7 @@ A region (``@effectfx.region``) is traced once per *identity* and then called th
 key and the guards (``identity``), promotion (``promotion``), what a trace reads (``reads``), labels
 (``labels``), the region cache of one capture (``cache``), the effects known per body across captures
 (``effects``) and the words ``efx.explain`` and ``efx.compile`` use for all of them (``words``); a call
-site during capture is ``effectfx.capture.region_call``.  Identity has two halves:
+site during capture is ``effectfx.hops.region``.  Identity has two halves:
 
   * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
     enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,
@@ -185,21 +185,21 @@ change that puts anything but tensors and plain values into an argument is refus
 
 Note [Symbolic shapes]
 ~~~~~~~~~~~~~~~~~~~~~~
-A capture may take some sizes of its arguments as *symbols*: its fake tensors then come from a fake mode
-with torch's ``ShapeEnv`` (``torch.fx.experimental.symbolic_shapes``, what torch.compile and torch.export
-use), each chosen size a fresh symbol (0 and 1 specialize, with a guard, as in torch), and size arithmetic
-the code does in Python (``x.shape[1] * 2``, ``view(b, s, h, d)``, ``torch.arange(s)``) is a ``SymInt``
-the graph records as nodes, not a baked-in number.  The graph is then valid for every call whose sizes
-satisfy its *shape guards*: every fact the trace relied on (two sizes equal, a size >= 2, a stride), which
-the ShapeEnv produces over the program's tensor arguments (``InputSignature.shape_guards``, checked with
-its other signature before a run; kept by save/load).  Which sizes are symbols (``capture.dynamic``,
-``drivers.shapes``): ``efx.compile(fn, dynamic=None)`` captures static first and, when a call misses every
-program only in sizes, captures once more with every size of each tensor that changed as a symbol (a
-padded batch changes its length each step and its batch size at the last one); ``dynamic=True`` makes
-every size a symbol from the first call, ``dynamic=False`` none; ``mark_dynamic`` / ``mark_static`` (the
-marks ``torch._dynamo`` sets) and ``efx.capture(..., dynamic_shapes=...)`` (torch.export's spec) choose
-per tensor.  A call whose exact signature has no program runs a symbolic program whose guards hold, and is
-remembered for that signature: the next such call is one lookup.
+A capture may take some sizes of its arguments as *symbols*: its fake tensors then come from a fake mode with
+torch's ``ShapeEnv`` (``torch.fx.experimental.symbolic_shapes``, what torch.compile and torch.export use),
+each chosen size a fresh symbol (0 and 1 specialize, with a guard, as in torch), and size arithmetic the code
+does in Python (``x.shape[1] * 2``, ``view(b, s, h, d)``, ``torch.arange(s)``) is a ``SymInt`` the graph
+records as nodes, not a baked-in number.  The graph is then valid for every call whose sizes satisfy its
+*shape guards*: every fact the trace relied on (two sizes equal, a size >= 2, a stride), which the ShapeEnv
+produces over the program's tensor arguments (``InputSignature.shape_guards``, checked with its other
+signature before a run; kept by save/load).  Which sizes are symbols (``capture.shapes``): ``efx.compile(fn,
+dynamic=None)`` captures static first and, when a call misses every program only in sizes, captures once more
+with every size of each tensor that changed as a symbol (a padded batch changes its length each step and its
+batch size at the last one); ``dynamic=True`` makes every size a symbol from the first call, ``dynamic=False``
+none; ``mark_dynamic`` / ``mark_static`` (the marks ``torch._dynamo`` sets) and ``efx.capture(...,
+dynamic_shapes=...)`` (torch.export's spec) choose per tensor.  A call whose exact signature has no program
+runs a symbolic program whose guards hold, and is remembered for that signature: the next such call is one
+lookup.
 
 *Sizes are read, never passed.*  A graph's interface stays what the other Notes say -- tensors, labels and
 tokens -- because every graph reads each symbol it needs from a dimension of one of its own tensor inputs
@@ -227,10 +227,10 @@ Note [Control flow].  Each has three homes, and only three:
     name graphs print and program files store, the argument its tokens lead, its Note, the module of its
     rules).  Printing, serialization, the rewrites' code generation, the effect walks
     (``effectfx.graph.walk``) and the token passes read the table, never a list of their own;
-  * its family's module in ``effectfx.hops`` (``effectfx.capture.region_call`` for regions): the capture
-    rule, installed with ``effectfx.capture.takeover.take_over(HopClass, rule)`` -- during a capture on this
-    thread, a call of torch's HOP runs ``rule(tracer, *args)`` before torch dispatches it; one mechanism for
-    every family, and a HOP with no rule is refused by name (``effectfx.capture.unsupported``) -- and its
+  * its family's module in ``effectfx.hops`` (``effectfx.hops.region`` for regions): the capture
+    rule, installed with ``effectfx.interposers.takeover.take_over(HopClass, rule)`` -- during a capture on
+    this thread, a call of torch's HOP runs ``rule(tracer, *args)`` before torch dispatches it; one mechanism
+    for every family, and a HOP with no rule is refused by name (``effectfx.capture.unsupported``) -- and its
     autograd rule (an ``autograd.Function`` emitting the forward and backward nodes, ``hops.cond.CondCall``);
   * its Note.
 Tokens: a HOP whose row names a token argument follows Note [Control flow]'s convention, whose rules in the
@@ -275,7 +275,7 @@ effects (while_loop) or drops the body's effects (scan).
 Note [Training step]
 ~~~~~~~~~~~~~~~~~~~~
 A captured function may run a whole training step: ``loss.backward()``, gradient clipping, an optimizer's
-``step()`` and ``zero_grad()``, with effects anywhere between (``effectfx.capture.training_step``).
+``step()`` and ``zero_grad()``, with effects anywhere between (``effectfx.interposers.training_step``).
   * *backward.*  On a capturing thread ``torch.autograd.backward`` (what ``Tensor.backward`` calls) takes
     the gradients of the leaves the backward reaches (or of ``inputs=``) with ``torch.autograd.grad`` --
     so the backward's ops, its region backward bodies and their effects are recorded into the root graph

@@ -94,7 +94,7 @@ class HopSpec:
 
 
 HOPS: dict[Callable[..., Any], HopSpec] = {spec.target: spec for spec in (
-    HopSpec(invoke_subgraph, None, "Region identity", "effectfx.capture.region_call"),
+    HopSpec(invoke_subgraph, None, "Region identity", "effectfx.hops.region"),
     HopSpec(cond, 3, "Control flow", "effectfx.hops.cond"),
     HopSpec(while_loop, 2, "Control flow", "effectfx.hops.loops"),
     HopSpec(scan, 1, "Control flow", "effectfx.hops.loops"),

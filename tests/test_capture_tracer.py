@@ -127,9 +127,9 @@ def test_fast_fakes_are_the_fakes_torch_makes(requires_grad: bool) -> None:
     device, metadata and behaviour under the fake mode as the ones FakeTensor itself builds."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from effectfx.capture.region_call import call_region
     from effectfx.capture.tracer import Tracer
     from effectfx.graph.meta import TensorMeta
+    from effectfx.hops.region import call_region
 
     tracer = Tracer(call_region)
     meta = TensorMeta((3, 4), (1, 3), torch.float64, torch.device("cpu"), requires_grad)

@@ -8,7 +8,6 @@ an ``EffectfxError`` subclass whose message names the op or region and the line 
 from __future__ import annotations
 
 import builtins
-import inspect
 import io
 import os
 import socket
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 import effectfx as efx
-from effectfx.drivers.capture import _active
 from effectfx.program.printing import graph_code
 from effectfx.program.serialize import SerializationError
 from effectfx.testing import LOG, check_against_eager, recording
@@ -286,9 +284,7 @@ def test_training_through_a_composite_effect_that_cannot_be_replayed() -> None:
 
 
 # -- 3. Python print inside captured code -------------------------------------------------------------
-_PRINT_WIRED = "capture_prints" in inspect.getsource(_active)
 _PRINT, _REPR = builtins.print, torch.Tensor.__repr__
-needs_print = pytest.mark.skipif(not _PRINT_WIRED, reason="capture_prints is not wired into capture._active")
 
 
 def check_prints(capsys: pytest.CaptureFixture, fn, *args) -> str:
@@ -325,7 +321,6 @@ def prints_everything(x):
     return noisy(z, "b")
 
 
-@needs_print
 def test_print_prints_run_time_values(capsys: pytest.CaptureFixture) -> None:
     x = torch.randn(3)
     out = check_prints(capsys, prints_everything, x)
@@ -338,13 +333,11 @@ def test_print_prints_run_time_values(capsys: pytest.CaptureFixture) -> None:
     assert capsys.readouterr() == eager
 
 
-@needs_print
 def test_print_under_autograd_shows_eager_grad_fn(capsys: pytest.CaptureFixture) -> None:
     out = check_prints(capsys, prints_everything, torch.randn(3, requires_grad=True))
     assert "grad_fn=<MulBackward0>" in out and "requires_grad=True" in out
 
 
-@needs_print
 def test_print_of_parameters_reads_them_at_run_time(capsys: pytest.CaptureFixture) -> None:
     lin = torch.nn.Linear(2, 2)
 
@@ -365,7 +358,6 @@ def test_print_of_parameters_reads_them_at_run_time(capsys: pytest.CaptureFixtur
     assert capsys.readouterr() == eager
 
 
-@needs_print
 def test_print_to_another_file_warns(capsys: pytest.CaptureFixture) -> None:
     buffer = io.StringIO()
 
@@ -380,7 +372,6 @@ def test_print_to_another_file_warns(capsys: pytest.CaptureFixture) -> None:
     assert buffer.getvalue() == "value FakeTensor(..., size=(2,))\n"  # once, at capture, as before
 
 
-@needs_print
 def test_print_of_a_region_argument_that_requires_grad_warns() -> None:
     @efx.region
     def shows_arg(x):
@@ -392,7 +383,6 @@ def test_print_of_a_region_argument_that_requires_grad_warns() -> None:
     assert line_of("showsarg") in str(warned[0].message)
 
 
-@needs_print
 def test_other_threads_print_normally_during_capture(capsys: pytest.CaptureFixture) -> None:
     def spawns(x):
         thread = threading.Thread(target=lambda: print("from another thread"))
@@ -408,7 +398,6 @@ def test_other_threads_print_normally_during_capture(capsys: pytest.CaptureFixtu
     assert builtins.print is _PRINT and torch.Tensor.__repr__ is _REPR  # restored after capture
 
 
-@needs_print
 def test_print_survives_save_and_load(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     x = torch.randn(3)
     prints_everything(x)
@@ -468,8 +457,7 @@ def test_process_group_is_a_program_constant(process_group) -> None:
 def test_process_group_under_the_inductor_backend(process_group, capsys: pytest.CaptureFixture) -> None:
     def fn(x):
         y = torch.ops.efxlost.pg_scale(process_group, x.sin()) + 1
-        if _PRINT_WIRED:
-            print("y =", y)
+        print("y =", y)
         return y.cos()
 
     x = torch.randn(3)
@@ -606,7 +594,7 @@ def _eager_hops_work(grad: bool) -> None:
 @pytest.mark.parametrize("refused", ["map", "while_loop", "scan", "flex_attention"])
 def test_eager_higher_order_ops_work_after_a_refused_capture(refused, where, grad) -> None:
     """A failed capture leaves torch usable (issue 13): Dynamo forgets the frames it skipped while the tracer
-    was on the stack (effectfx.capture.dynamo_frames), or eager scan under autograd fails afterwards.
+    was on the stack (effectfx.interposers.dynamo_frames), or eager scan under autograd fails afterwards.
     Refused: map always; while_loop, scan and flex_attention on tensors that require grad."""
     if refused != "map" and not grad:
         pytest.skip("captured in inference (tests/test_control_flow.py)")

@@ -2,7 +2,7 @@
 """The print higher-order op in captured code (issue 13 item 3): ``torch._higher_order_ops.print`` is an
 ordered effect that prints at run time only, with run-time values, exactly as eager prints.
 
-It is captured as Python ``print`` is (``effectfx.hops.print_hop``, ``effectfx.capture.python_print``): one
+It is captured as Python ``print`` is (``effectfx.hops.print_hop``, ``effectfx.interposers.python_print``): one
 ``effectfx::print`` node, a ``with_effects`` on the ``"ordered"`` key once functionalized.  Each differential
 test compares what eager printed -- stdout at the file-descriptor level, so ``aten::_print`` (C stdio) is
 interleaved in its true order -- with every form of ``FORMS``, two calls of ``efx.compile`` and a saved and

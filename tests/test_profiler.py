@@ -1,4 +1,4 @@
-"""Profiler ranges in captured code (``effectfx.capture.profiler``): ``record_function`` opens and closes
+"""Profiler ranges in captured code (``effectfx.interposers.profiler``): ``record_function`` opens and closes
 eager's ranges on every call, in every form, ``efx.compile`` and save/load; its name is an operand, so
 ``record_function(self.name)`` keeps one body for every layer."""
 

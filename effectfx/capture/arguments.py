@@ -17,15 +17,6 @@ from ..program.containers import changed, snapshot, value_at
 PLAIN_LEAVES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
 
 
-def map_structure(fn: Any, value: Any) -> Any:
-    """``fn`` over the leaves of nested tuples/lists/dicts: aten arguments, without pytree's overhead."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_structure(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: map_structure(fn, v) for k, v in value.items()}
-    return fn(value)
-
-
 _FLAT_SPECS: dict[int, Any] = {}
 
 

@@ -23,12 +23,12 @@ from ..effects import effect_of
 from ..errors import DataDependentControlFlowError, EffectfxError, UnsupportedMutationError
 from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..interposers.collectives import COLLECTIVE_NAMESPACES, record_collective
+from ..interposers.composite import CompositeEffects
+from ..program.containers import map_structure
 from ..regions.cache import RegionCache
 from ..regions.labels import LabelMode, has_sentinel, resolve_labels
 from ..regions.reads import Watcher
-from .arguments import map_structure
-from .collectives import COLLECTIVE_NAMESPACES, record_collective
-from .composite import CompositeEffects
 from .constants import UNKNOWN, Constants
 from .fakes import SYMBOLIC_FAKES, fake_maker, symbolic_context
 from .graph_builder import GraphBuilder
@@ -70,7 +70,7 @@ class Tracer(TorchDispatchMode):
     """Records every aten op into the innermost :class:`GraphBuilder` on ``self.builders``.
 
     ``call_region(tracer, region, args, kwargs)`` is what a region's call does during the capture
-    (``effectfx.capture.region_call``, handed over by the driver that makes the tracer)."""
+    (``effectfx.hops.region``, handed over by the driver that makes the tracer)."""
 
     def __init__(self, call_region: Callable[..., Any], symbolic: bool = False) -> None:
         super().__init__()

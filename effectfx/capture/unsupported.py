@@ -7,7 +7,7 @@ print, cond, while_loop, scan, flex_attention) make torch raise a bare
 raises :class:`UnsupportedOperatorError` naming the op and the user's line instead.
 
 A refused capture leaves torch usable: eager ``torch.cond`` and friends run through ``torch.compile``, and
-the frames Dynamo saw during the capture are forgotten when it ends (``effectfx.capture.dynamo_frames``).
+the frames Dynamo saw during the capture are forgotten when it ends (``effectfx.interposers.dynamo_frames``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..errors import (
     UnsupportedOperatorError,
 )
 from ..graph.source import user_location
-from .takeover import taken_over
+from ..interposers.takeover import taken_over
 
 _ADVICE = {
     "map_impl": "call the function on each slice in a Python loop, or run it outside the captured function",

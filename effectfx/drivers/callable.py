@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..capture.dynamic import Dynamic
+from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, UnsupportedOperatorError
 from ..graph.meta import TensorMeta
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
@@ -38,7 +38,6 @@ from ..regions.identity import ambient, failed_guards, leaf_key
 from ..regions.reads import plain_value
 from ..regions.words import guard_text
 from .capture import trace_program
-from .shapes import ShapeCache, erased
 
 
 def lower_to_inductor(prog: Program) -> Program:

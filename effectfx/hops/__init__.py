@@ -1,5 +1,5 @@
 """Higher-order ops in captured code, one module per family: its capture rule (taken over before torch
-dispatches the op, ``effectfx.capture.takeover``) and its autograd rule; its row in ``effectfx.ops.HOPS``
+dispatches the op, ``effectfx.interposers.takeover``) and its autograd rule; its row in ``effectfx.ops.HOPS``
 gives its name and token convention to printing, serialization, the rewrites and the token passes.
 Importing this package installs every family's rule."""
 

@@ -16,11 +16,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
 from ..capture.arguments import leaf_names
-from ..capture.takeover import take_over
 from ..capture.tracer import Tracer
 from ..errors import UnsupportedOperatorError
 from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..interposers.takeover import take_over
 from .subgraphs import (
     SubgraphScope,
     arrange_inputs,

@@ -18,9 +18,10 @@ from typing import Any
 import torch.nn.attention.flex_attention as api
 from torch._higher_order_ops.flex_attention import FlexAttentionHOP, sdpa_dense
 
-from ..capture.takeover import take_over
 from ..errors import UnsupportedOperatorError
 from ..graph.source import user_location
+from ..interposers.interpose import interpose
+from ..interposers.takeover import take_over
 from ..regions.decorator import active_tracer
 
 
@@ -31,25 +32,20 @@ def capture_flex_attention(tracer: Any, *args: Any, **kwargs: Any) -> Any:
 def _install() -> None:
     """Eager flex_attention's checks, as the capture must see them: its refusal under autograd named for
     the user, and no hand-over to torch.compile."""
-    if getattr(api._validate_device, "__effectfx_hook__", False):
-        return
     validate = api._validate_device
 
     def validate_device(query: Any, key: Any, value: Any) -> None:
         try:
             validate(query, key, value)
         except NotImplementedError as exc:
-            tracer = active_tracer()
-            if tracer is None:
-                raise
             raise UnsupportedOperatorError(
-                f"{tracer.where()} calls flex_attention on tensors that require grad at {user_location()}.\n"
-                f"Eager PyTorch refuses this too ({exc}). Run it under torch.no_grad() or on detached "
-                "tensors, or use torch.nn.functional.scaled_dot_product_attention with an attention mask."
+                f"{active_tracer().where()} calls flex_attention on tensors that require grad at "
+                f"{user_location()}.\nEager PyTorch refuses this too ({exc}). Run it under torch.no_grad() "
+                "or on detached tensors, or use torch.nn.functional.scaled_dot_product_attention with an "
+                "attention mask."
             ) from None
 
-    validate_device.__effectfx_hook__ = True  # type: ignore[attr-defined]
-    api._validate_device = validate_device
+    interpose(api, "_validate_device", validate_device)
 
     class NoCompileWhileCapturing:
         """``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG``, true also on a capturing thread: eager flex_attention
@@ -63,7 +59,7 @@ def _install() -> None:
             return bool(self.value) or active_tracer() is not None
 
     flag = api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
-    api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = NoCompileWhileCapturing(flag)
+    interpose(api, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", NoCompileWhileCapturing(flag), per_thread=False)
 
 
 take_over(FlexAttentionHOP, capture_flex_attention)

@@ -18,12 +18,12 @@ from torch._higher_order_ops.while_loop import WhileLoopOp
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
-from ..capture.takeover import take_over
 from ..capture.tracer import Tracer
 from ..errors import UnsupportedOperatorError
 from ..graph.meta import TensorMeta
 from ..graph.source import user_location
 from ..graph.walk import graph_effect_keys
+from ..interposers.takeover import take_over
 from .subgraphs import (
     arrange_inputs,
     check_same,

@@ -2,7 +2,7 @@
 
 In eager it prints ``format_str.format(*args, **kwargs)`` with the built-in ``print``; that is what its
 capture rule runs, with the tracer on the stack, so the call is Python ``print`` in captured code
-(``effectfx.capture.python_print``): the tensors' ``format``/``repr`` become slots, and one
+(``effectfx.interposers.python_print``): the tensors' ``format``/``repr`` become slots, and one
 ``effectfx::print`` node (key ``"ordered"``) prints the text at run time, with run-time values, in program
 order.  Capture prints nothing.  It leaves no node of its own, so it has no row in ``effectfx.ops.HOPS``.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch._higher_order_ops.print import Print, print_impl
 
-from ..capture.takeover import take_over
+from ..interposers.takeover import take_over
 
 
 def capture_print(tracer: Any, format_str: str, *args: Any, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 the subgraphs of one op the same inputs, and emitting the node that runs them.
 
 See Note [Control flow] in ``effectfx.notes``.  During a capture the higher-order ops are taken over before
-torch dispatches them (``effectfx.capture.takeover``): eager torch would hand the user's functions to
+torch dispatches them (``effectfx.interposers.takeover``): eager torch would hand the user's functions to
 Dynamo or to its own ``make_fx``; here each function is traced by the tracer itself (regions, effects,
 prints and labels work inside it as anywhere else) into a :class:`~torch.fx.GraphModule` held by the
 calling graph, and one ``effectfx.ops.cond`` / ``while_loop`` / ``scan`` node runs it at run time.  The
@@ -29,6 +29,7 @@ from ..capture.tracer import Tracer
 from ..errors import CaptureError, UnsupportedMutationError, UnsupportedOperatorError
 from ..graph.meta import OperandSource, TensorMeta
 from ..graph.source import user_location
+from ..interposers.interpose import interpose, interposed
 from ..regions.decorator import active_tracer
 
 
@@ -203,17 +204,12 @@ def skip_eager_compile(name: str | None = None, restructure: Any = None) -> None
 
     if name is not None:
         _AFTER_WRAPPER[name] = restructure
-    if getattr(hop_utils._hop_compile_and_call, "__effectfx_hook__", False):
+    if interposed(hop_utils, "_hop_compile_and_call"):
         return
-    compile_and_call = hop_utils._hop_compile_and_call
 
     def hop_compile_and_call(fn: Any, args: tuple, kwargs: dict | None = None) -> Any:
-        tracer = active_tracer()
-        if tracer is None:
-            return compile_and_call(fn, args, kwargs)
         out = fn(*args, **(kwargs or {}))  # eager torch's wrapper calls the op: captured
         after = _AFTER_WRAPPER.get(fn.__name__)
-        return after(tracer, out) if after is not None else out
+        return after(active_tracer(), out) if after is not None else out
 
-    hop_compile_and_call.__effectfx_hook__ = True  # type: ignore[attr-defined]
-    hop_utils._hop_compile_and_call = hop_compile_and_call
+    interpose(hop_utils, "_hop_compile_and_call", hop_compile_and_call)

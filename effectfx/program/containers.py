@@ -200,3 +200,12 @@ def write_state(targets: tuple, values: list[Any]) -> None:
             setattr(obj, last, value)
         else:
             obj[last[1].obj if last[0] == "key" else last[1]] = value
+
+
+def map_structure(fn: Any, value: Any) -> Any:
+    """``fn`` over the leaves of nested tuples/lists/dicts: aten arguments, without pytree's overhead."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_structure(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: map_structure(fn, v) for k, v in value.items()}
+    return fn(value)

@@ -85,38 +85,4 @@ def region_of(fn: Any) -> Region | None:
     return getattr(fn, "__effectfx_region__", None)
 
 
-# torch.compiler.nested_compile_region marks functions by routing their calls through
-# invoke_subgraph_placeholder; during an effectfx capture those calls become effectfx regions.
-_NESTED_REGIONS: dict[Any, Region] = {}
-_NESTED_LOCK = threading.Lock()
-
-
-def _install_nested_compile_region_hook() -> None:
-    import importlib
-    import sys
-
-    importlib.import_module("torch._higher_order_ops.invoke_subgraph")
-    ivs = sys.modules["torch._higher_order_ops.invoke_subgraph"]  # the package attribute is the HOP
-
-    original = ivs.invoke_subgraph_placeholder
-    if getattr(original, "__effectfx_hook__", False):
-        return
-
-    @functools.wraps(original)
-    def placeholder(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        tracer = active_tracer()
-        if tracer is None:
-            return original(func, *args, **kwargs)
-        with _NESTED_LOCK:
-            reg = _NESTED_REGIONS.get(func)
-            if reg is None:
-                reg = _NESTED_REGIONS[func] = Region(func)
-        return tracer.call_region(reg, args, kwargs)
-
-    placeholder.__effectfx_hook__ = True  # type: ignore[attr-defined]
-    ivs.invoke_subgraph_placeholder = placeholder
-
-
-_install_nested_compile_region_hook()
-
 __all__ = ["Region", "region", "region_of", "active_tracer"]

@@ -8,10 +8,11 @@ the skip *on the code object*, for good: after the capture the ``torch.compile``
 in frames it would have inlined, inside torch's own code).
 
 :func:`frames_forgotten` wraps a capture.  It records the code objects Dynamo is handed on the capturing
-thread (Dynamo's ``input_codes.add``, which each of its frame callbacks calls first) and resets them when
-the capture ends, however it ends (``torch._C._dynamo.eval_frame.reset_code``, what ``torch._dynamo.reset``
-does per code object): the next eager call is Dynamo's first look at them.  Dynamo is imported lazily (it
-costs seconds); when a capture imports it, every code it has seen so far was seen during that capture.
+thread (an interposer on Dynamo's ``input_codes.add``, which each of its frame callbacks calls first) and
+resets them when the capture ends, however it ends (``torch._C._dynamo.eval_frame.reset_code``, what
+``torch._dynamo.reset`` does per code object): the next eager call is Dynamo's first look at them.  Dynamo is
+imported lazily (it costs seconds); when a capture imports it, every code it has seen so far was seen during
+that capture.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from collections.abc import Iterator
 from types import CodeType
 from typing import Any
 
+from .interpose import interpose, interposed
+
 _LOCAL = threading.local()  # .recording: one set of code objects per capture running on this thread
-_LOCK = threading.Lock()
-_INSTALLED = 0
 
 
 def _tracker() -> Any:
@@ -40,32 +41,18 @@ def _recording() -> list[set[CodeType]]:
     return stack
 
 
-class _Recorder:
+def _interpose(tracker: Any) -> None:
     """Dynamo's ``input_codes.add``, also noting the code for the captures running on this thread."""
+    if interposed(tracker, "add"):
+        return
+    add = tracker.add
 
-    def __init__(self, add: Any) -> None:
-        self.add = add
-
-    def __call__(self, code: CodeType) -> None:
-        self.add(code)
+    def record(code: CodeType) -> None:
+        add(code)
         for codes in getattr(_LOCAL, "recording", ()):
             codes.add(code)
 
-
-def _install(tracker: Any) -> None:
-    global _INSTALLED
-    with _LOCK:
-        if _INSTALLED == 0:
-            tracker.add = _Recorder(tracker.add)
-        _INSTALLED += 1
-
-
-def _uninstall(tracker: Any) -> None:
-    global _INSTALLED
-    with _LOCK:
-        _INSTALLED -= 1
-        if _INSTALLED == 0 and isinstance(tracker.__dict__.get("add"), _Recorder):
-            del tracker.add  # the class's method again
+    interpose(tracker, "add", record)
 
 
 @contextlib.contextmanager
@@ -73,7 +60,7 @@ def frames_forgotten() -> Iterator[None]:
     """Run a capture; then reset Dynamo's state of every code object it saw meanwhile (module docstring)."""
     tracker = _tracker()
     if tracker is not None:
-        _install(tracker)
+        _interpose(tracker)
     codes: set[CodeType] = set()
     stack = _recording()
     stack.append(codes)
@@ -81,9 +68,7 @@ def frames_forgotten() -> Iterator[None]:
         yield
     finally:
         stack.pop()
-        if tracker is not None:
-            _uninstall(tracker)
-        else:
+        if tracker is None:
             tracker = _tracker()
             if tracker is not None:  # Dynamo was imported during the capture: all it saw is ours
                 codes.update(c for c in (ref() for ref in tracker.seen) if c is not None)

@@ -13,10 +13,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import ops
+from ..capture.tracer import Tracer
 from ..graph.meta import TensorMeta
 from ..regions.identity import leaf_of_key
 from ..regions.label import raw
-from .tracer import Tracer
 
 
 def operand_node(tracer: Tracer, value: Any) -> Any:

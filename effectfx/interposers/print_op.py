@@ -18,7 +18,7 @@ each slot gets its tensor rendered by its ``mode``:
 A program run under ``torch.vmap`` prints its batched tensors as eager does too (:func:`_vmap_rule`).
 
 Every tensor is laid out with the print options in force when the op runs: the caller's, and those the
-captured code set before it (``effectfx.capture.print_options``).  ``stream`` is 1 for ``sys.stdout`` and
+captured code set before it (``effectfx.interposers.print_options``).  ``stream`` is 1 for ``sys.stdout`` and
 2 for ``sys.stderr``, looked up at run time (as eager's ``print`` does).
 """
 

@@ -2,9 +2,9 @@
 
 Eager's ``print`` of a tensor reads ``torch._tensor_str.PRINT_OPTS`` when it runs, and a program may change
 them (``torch.set_printoptions``, the ``torch._tensor_str.printoptions`` context).  The print op
-(``effectfx.capture.python_print``) reads them at run time too; what capture adds is the changes the captured
-code makes, recorded on the print op's key ``"ordered"`` -- so each runs between the same prints, and the
-caller finds the options as eager leaves them:
+(``effectfx.interposers.python_print``) reads them at run time too; what capture adds is the changes the
+captured code makes, recorded on the print op's key ``"ordered"`` -- so each runs between the same prints, and
+the caller finds the options as eager leaves them:
 
     effectfx::set_printoptions(Scalar? precision, Scalar? threshold, Scalar? edgeitems, Scalar? linewidth,
                                str? profile, Scalar? sci_mode) -> ()   # torch.set_printoptions(...)
@@ -20,8 +20,9 @@ options (``torch._tensor_str.get_printoptions()``) is the capture's, baked in: c
 Capture itself changes no option (it runs no effect, and other threads keep printing with theirs): while a
 capture runs, ``PRINT_OPTS`` answers the capturing thread from a *shadow*, its options as the captured code
 has set them so far.  Writes are seen wherever the call comes from (``from torch import set_printoptions``
-too): ``PRINT_OPTS``' class is swapped, on every thread, for one that asks :func:`install`'s ``current`` for
-the capturing thread's shadow.  ``set_printoptions`` writes ``sci_mode`` last, once per call: that write
+too): ``PRINT_OPTS``' class is swapped (an interposer, ``effectfx.interposers.interpose``), on every
+thread, for one that asks :func:`shadow_through`'s ``current`` for the capturing thread's shadow.
+``set_printoptions`` writes ``sci_mode`` last, once per call: that write
 records the call, with the arguments of its frame; a ``set_printoptions`` called by ``printoptions``' own
 frame is its enter (first) or its exit (second).
 """
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from ..effects import register_effect
 from ..errors import UnfaithfulPrintWarning, UnsupportedOperatorError
 from ..graph.source import user_frame, user_location
+from .interpose import interpose
 
 _TENSOR_STR = torch._tensor_str
 PRINT_OPTS = _TENSOR_STR.PRINT_OPTS
@@ -187,7 +189,7 @@ class Shadow:
 
 # -- the swap of PRINT_OPTS' class ------------------------------------------------------------------------
 _ORIGINAL_CLASS = type(PRINT_OPTS)
-_current: Callable[[], Any] = lambda: None  # noqa: E731  (install's)
+_current: Callable[[], Any] = lambda: None  # noqa: E731  (shadow_through's)
 
 
 def _shadow() -> Shadow | None:
@@ -214,14 +216,11 @@ class _Shadowed(_ORIGINAL_CLASS):  # type: ignore[misc, valid-type]
 _Shadowed.__name__ = _Shadowed.__qualname__ = _ORIGINAL_CLASS.__name__  # its repr stays torch's
 
 
-def install(current: Callable[[], Any]) -> None:
-    """Swap ``PRINT_OPTS``' class; ``current()`` is the capturing thread's capture (its ``options``: a
-    :class:`Shadow`), None on other threads.  The caller counts installs (``python_print``)."""
+def shadow_through(current: Callable[[], Any]) -> None:
+    """``current()`` is the capturing thread's capture (its ``options``: a :class:`Shadow`), None on other
+    threads (``python_print``'s)."""
     global _current
     _current = current
-    PRINT_OPTS.__class__ = _Shadowed
 
 
-def uninstall() -> None:
-    if type(PRINT_OPTS) is _Shadowed:
-        PRINT_OPTS.__class__ = _ORIGINAL_CLASS
+interpose(PRINT_OPTS, "__class__", _Shadowed, per_thread=False)  # (its methods choose per thread)

@@ -14,6 +14,9 @@ import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 
 from ..autograd.partition import without_gradients
+from ..capture.arguments import check_containers_unchanged, leaf_names, with_written_state
+from ..capture.trace import Scope, trace_graph
+from ..capture.tracer import Tracer
 from ..errors import EffectfxError
 from ..graph.meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
 from ..graph.source import definition
@@ -23,10 +26,7 @@ from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, mod
 from ..regions.label import raw
 from ..regions.promotion import history_guards, refusal_after_trace
 from ..regions.reads import Reads, recording, report_read
-from .arguments import check_containers_unchanged, leaf_names, with_written_state
 from .call_site import CallSite
-from .trace import Scope, trace_graph
-from .tracer import Tracer
 
 
 def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tuple, kwargs: dict,

@@ -1,11 +1,11 @@
 """Whether the Python kernel of a CompositeImplicitAutograd effect op may have side effects of its own.
 
-Capture runs such a kernel once, on fake tensors, to learn the op's results (``effectfx.capture.composite``);
-the program runs it again on every call, with real values, exactly as eager.  What the kernel does through
-ops and ``print`` is exact (its ops run on fakes, its prints are silenced: both happen at run time only), but
-anything else its Python does -- append to a list, bump a counter, write a file, log -- happened once more,
-at capture, with fake tensors.  Capture cannot avoid that, so it says so (``CaptureSideEffectWarning``).
-
+Capture runs such a kernel once, on fake tensors, to learn the op's results
+(``effectfx.interposers.composite``); the program runs it again on every call, with real values, exactly as
+eager.  What the kernel does through ops and ``print`` is exact (its ops run on fakes, its prints are
+silenced: both happen at run time only), but anything else its Python does -- append to a list, bump a
+counter, write a file, log -- happened once more, at capture, with fake tensors.  Capture cannot avoid that,
+so it says so (``CaptureSideEffectWarning``).
 Which kernels: a kernel whose code effectfx cannot *prove* free of such effects.  The proof reads the code
 of each frame of the kernel's own (not torch's, not effectfx's) that the kernel's ops were dispatched from,
 the functions those call by name, and the code nested in them: it holds when they write no global, no

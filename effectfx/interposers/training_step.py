@@ -30,6 +30,7 @@ from ..graph.source import user_location
 from ..regions.decorator import active_tracer
 from ..regions.identity import resolve
 from ..regions.reads import MISSING, Ref, class_of, expectation
+from .interpose import interpose
 
 _NO_GRAD = object()  # a tensor whose .grad the trace never looked at
 
@@ -291,36 +292,23 @@ def _step_of() -> tuple[Any, TrainingStep] | None:
     return (tracer, step) if step is not None else None
 
 
-def _install() -> None:
-    """``torch.autograd.backward`` and the optimizers' global step hooks, diverted on a capturing thread
-    only (the original runs everywhere else)."""
-    original: Callable[..., Any] = torch.autograd.backward
-    if getattr(original, "__effectfx_hook__", False):
-        return
-
-    def backward(tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
-                 create_graph: bool = False, grad_variables: Any = None, inputs: Any = None) -> None:
-        found = _step_of()
-        if found is None:
-            return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        tracer, step = found
-        step.backward(tracer, tensors, grad_tensors if grad_tensors is not None else grad_variables,
-                      retain_graph, create_graph, inputs)
-        return None
-
-    backward.__effectfx_hook__ = True  # type: ignore[attr-defined]
-    backward.__wrapped__ = original  # type: ignore[attr-defined]
-    torch.autograd.backward = backward
-    for cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
-        cls.step = _refused_inside(cls.step)
-    optimizer.register_optimizer_step_pre_hook(_step_begins)
-    optimizer.register_optimizer_step_post_hook(_step_ends)
+def _backward(tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
+              create_graph: bool = False, grad_variables: Any = None, inputs: Any = None) -> None:
+    found = _step_of()
+    if found is None:
+        return _BACKWARD.original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+    tracer, step = found
+    step.backward(tracer, tensors, grad_tensors if grad_tensors is not None else grad_variables,
+                  retain_graph, create_graph, inputs)
+    return None
 
 
-def _refused_inside(step: Callable[..., Any]) -> Callable[..., Any]:
+def _refused_inside(cls: type) -> None:
+    original = cls.step
+
     def scheduler_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _step_of() is None:
-            return step(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         raise UnsupportedOperatorError(
             f"the captured function steps the LR scheduler {type(self).__name__} (at {user_location()}): "
             "its step() changes Python state (the optimizer's learning rate, its own epoch count) that a "
@@ -328,7 +316,23 @@ def _refused_inside(step: Callable[..., Any]) -> Callable[..., Any]:
             "sees the new learning rate at its next call (Note [Training step])."
         )
 
-    return scheduler_step
+    interpose(cls, "step", scheduler_step)
+
+
+# ``torch.autograd.backward`` and the LR schedulers' steps, diverted on a capturing thread only (the
+# original runs everywhere else)
+_BACKWARD = interpose(torch.autograd, "backward", _backward)
+for _cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
+    _refused_inside(_cls)
+_HOOKS: list[Any] = []
+
+
+def _register_step_hooks() -> None:
+    """The optimizers' global step hooks (torch's own mechanism, not an interposer), registered at the
+    first capture."""
+    if not _HOOKS:
+        _HOOKS.append(optimizer.register_optimizer_step_pre_hook(_step_begins))
+        _HOOKS.append(optimizer.register_optimizer_step_post_hook(_step_ends))
 
 
 _RESTORE: list[tuple[list[tuple[dict, str, Any]], bool]] = []  # per optimizer step being traced
@@ -368,7 +372,7 @@ def _undo() -> None:
 def training_step(tracer: Any, roots: list[Any]) -> Iterator[TrainingStep]:
     """The training step of one root capture (``roots``: what its code is handed or reads, see
     :meth:`TrainingStep.begin`): its Python state is put back however the trace ends."""
-    _install()
+    _register_step_hooks()
     step = tracer.training_step = TrainingStep(tracer.fake_of)
     step.begin(roots)
     try:

@@ -3,10 +3,10 @@
 Capture runs the user's code once, on fake tensors; a plain ``print`` would print fake tensors once, at
 capture, and never again.  While a capture runs, :func:`capture_prints` makes ``print`` *on the capturing
 thread* (other threads print normally) record one call of the effect op ``effectfx::print`` (key
-``"ordered"``; ``effectfx.capture.print_op``: its text with a slot per tensor, and each slot's *mode*, how
+``"ordered"``; ``effectfx.interposers.print_op``: its text with a slot per tensor, and each slot's *mode*, how
 it renders its run-time tensor as eager would have -- autograd suffix, ``format`` spec, ``torch.func``
 wrappers).  The print options the captured code sets are effects on the same key
-(``effectfx.capture.print_options``), so each print is laid out with those eager would use.
+(``effectfx.interposers.print_options``), so each print is laid out with those eager would use.
 
 Tensors reach the text through ``repr`` and ``format``, wherever they are -- ``print(x)``, ``print([x, y])``,
 an object's ``__repr__``, an f-string built before ``print`` was called -- because during capture
@@ -44,6 +44,7 @@ from .. import ops
 from ..graph.source import user_location
 from ..graph.symbols import is_symbolic
 from . import print_options
+from .interpose import interpose
 from .print_op import ORIGINAL_PRINT as _ORIGINAL_PRINT
 from .print_op import ORIGINAL_REPR as _ORIGINAL_REPR
 from .print_op import batched, peel
@@ -219,10 +220,8 @@ class _Capture:
         warn_unfaithful(message)
 
 
-# -- patching, on the capturing thread only --------------------------------------------------------------
-_LOCAL = threading.local()
-_LOCK = threading.Lock()
-_INSTALLED = 0
+# -- interposed, on the capturing thread only ------------------------------------------------------------
+_LOCAL = threading.local()  # .stack: the prints of the captures running on this thread, innermost last
 
 
 def _current() -> _Capture | None:
@@ -279,7 +278,7 @@ def _pinned(self: Any) -> Any:
     return value
 
 
-def _sym_patches(cls: type) -> tuple:
+def _interpose_sym(cls: type) -> None:
     original_repr, original_format = cls.__repr__, cls.__format__
 
     def repr_(self: Any) -> str:
@@ -290,48 +289,34 @@ def _sym_patches(cls: type) -> tuple:
         value = _pinned(self)
         return original_format(self, spec) if value is None else format(value, spec)
 
-    return (cls, "__repr__", original_repr, repr_), (cls, "__format__", original_format, format_)
+    interpose(cls, "__repr__", repr_)
+    interpose(cls, "__format__", format_)
 
 
-_PATCHES = ((builtins, "print", _ORIGINAL_PRINT, _print), (torch.Tensor, "__repr__", _ORIGINAL_REPR, _repr),
-            (torch.Tensor, "__format__", _ORIGINAL_FORMAT, _format),
-            *(patch for cls in (torch.SymInt, torch.SymFloat, torch.SymBool) for patch in _sym_patches(cls)))
+print_options.shadow_through(_current)
+interpose(builtins, "print", _print)
+interpose(torch.Tensor, "__repr__", _repr)
+interpose(torch.Tensor, "__format__", _format)
+for _cls in (torch.SymInt, torch.SymFloat, torch.SymBool):
+    _interpose_sym(_cls)
 
 
-def _install() -> None:
-    global _INSTALLED
-    with _LOCK:
-        if _INSTALLED == 0:
-            for owner, name, _, patched in _PATCHES:
-                setattr(owner, name, patched)
-            print_options.install(_current)
-        _INSTALLED += 1
-
-
-def _uninstall() -> None:
-    global _INSTALLED
-    with _LOCK:
-        _INSTALLED -= 1
-        if _INSTALLED == 0:
-            for owner, name, original, patched in _PATCHES:
-                if getattr(owner, name) is patched:  # someone patched over us: leave theirs in place
-                    setattr(owner, name, original)
-            print_options.uninstall()
+def _stack() -> list[Any]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
 
 
 @contextlib.contextmanager
 def capture_prints(tracer: Any) -> Iterator[None]:
     """While capturing with ``tracer``: ``print`` on this thread records ``effectfx::print`` calls."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    _install()
+    stack = _stack()
     stack.append(_Capture(tracer))
     try:
         yield
     finally:
         stack.pop()
-        _uninstall()
 
 
 class _Silent:
@@ -350,15 +335,11 @@ class _Silent:
 @contextlib.contextmanager
 def silenced() -> Iterator[None]:
     """``print`` on this thread does nothing: for code that runs on fakes only to learn shapes (the kernel
-    of a CompositeImplicitAutograd effect op, ``effectfx.capture.composite``), whose prints happen when the
-    op runs."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    _install()
+    of a CompositeImplicitAutograd effect op, ``effectfx.interposers.composite``), whose prints happen when
+    the op runs."""
+    stack = _stack()
     stack.append(_Silent())
     try:
         yield
     finally:
         stack.pop()
-        _uninstall()

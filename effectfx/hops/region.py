@@ -2,11 +2,19 @@
 
 The first call with a new cache key traces a body (``region_body``); every call then emits
 ``invoke_subgraph(subgraph, identifier, *operands)`` (``call_site``).  Under autograd the call goes through
-:class:`RegionCall`, whose backward emits the call of the body's backward subgraph.
+:class:`RegionCall`, whose backward emits the call of the body's backward subgraph.  Functions marked with
+``torch.compiler.nested_compile_region`` are regions too (an interposer on torch's placeholder).
+
+The region op is a higher-order op like every family in this package, with one difference: it is not
+torch's HOP taken over, but effectfx's own ``Region.call`` handing the call to the tracer, which the
+driver gives :func:`call_region` to (``effectfx.ops.HOPS``, its row).
 """
 
 from __future__ import annotations
 
+import importlib
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,21 +22,22 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_unflatten
 
+from ..capture.arguments import flatten_call
+from ..capture.tracer import Tracer
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError, UnsupportedOperatorError
 from ..graph.meta import TensorMeta, TracedGraph, tangents_of
 from ..graph.source import definition, user_location
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..interposers.interpose import interpose
+from ..interposers.python_print import region_result_grad_fn
 from ..program.containers import value_at, write_into
 from ..regions.cache import RegionBody
-from ..regions.decorator import Region
+from ..regions.decorator import Region, active_tracer
 from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
 from ..regions.label import raw
 from ..regions.promotion import promoted_key, refusal_before_trace
-from .arguments import flatten_call
 from .call_site import CallSite, emit_invoke, operand_node
-from .python_print import region_result_grad_fn
 from .region_body import partial_backward, restricted, trace_body
-from .tracer import Tracer
 
 
 class RegionCall(torch.autograd.Function):
@@ -266,3 +275,21 @@ def _write_operands(tracer: Tracer, region: Region, traced: TracedGraph, operand
                 name = region_result_grad_fn(tracer, new)
                 if name is not None:
                     tracer.written_by_region[id(operand)] = (operand.grad_fn, name)
+
+
+# torch.compiler.nested_compile_region marks functions by routing their calls through
+# invoke_subgraph_placeholder; during an effectfx capture those calls become effectfx regions
+_NESTED_REGIONS: dict[Any, Region] = {}
+_NESTED_LOCK = threading.Lock()
+
+
+def _nested_region_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with _NESTED_LOCK:
+        reg = _NESTED_REGIONS.get(func)
+        if reg is None:
+            reg = _NESTED_REGIONS[func] = Region(func)
+    return active_tracer().call_region(reg, args, kwargs)
+
+
+interpose(importlib.import_module("torch._higher_order_ops.invoke_subgraph"),  # (the package's is the HOP)
+          "invoke_subgraph_placeholder", _nested_region_call)

@@ -4,8 +4,8 @@ the same class) opens and closes its range at run time, on every call, as eager 
 In eager, ``record_function.__enter__`` calls ``profiler::_record_function_enter_new``, which returns a
 handle (a ``ScriptObject``) that ``__exit__`` hands to ``_record_function_exit``: a range exists only while
 the code runs.  Captured as it is, the range would open once, at capture, on fakes' time, and never again.
-While a capture runs, the context manager's methods on the capturing thread (others are untouched) call two
-ordered effect ops instead, on key ``"profiler"``:
+While a capture runs, the context manager's methods on the capturing thread (others are untouched: an
+interposer, ``effectfx.interposers.interpose``) call two ordered effect ops instead, on key ``"profiler"``:
 
     effectfx::range_enter(str name) -> ()      effectfx::range_exit() -> ()
 
@@ -13,14 +13,13 @@ whose kernels open and close the range at run time, keeping the open handles on 
 range's name is an effect argument like any other: a ``str`` a body reads (``record_function(self.name)``)
 is its operand (Note [Region identity], labels), one body for every layer.  ``record_function`` used as a
 decorator goes through the same methods.  The ranges DDP and FSDP2 open around their forward keep torch's
-own op, whose capture rule refuses those wrappers (``effectfx.capture.collectives``).
+own op, whose capture rule refuses those wrappers (``effectfx.interposers.collectives``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ import torch.autograd.profiler as autograd_profiler
 from ..effects import register_effect
 from ..regions.label import raw
 from .collectives import parallel_wrapper_range
+from .interpose import interpose
 
 KEY = "profiler"
 _RUNNING = threading.local()  # .ranges: the handles of the ranges open on this thread, innermost last
@@ -63,17 +63,13 @@ def _() -> None:
 register_effect(range_enter, key=KEY)
 register_effect(range_exit, key=KEY)
 
-_CAPTURING = threading.local()  # .depth: captures running on this thread
-_LOCK = threading.Lock()
-_ORIGINAL = (autograd_profiler.record_function.__enter__, autograd_profiler.record_function.__exit__)
-_INSTALLED = 0
 
 
 def _enter(self: Any) -> Any:
     # (the name's raw value: effectfx's own look at a label is no use of it, the name stays an operand)
     # DDP's and FSDP2's ranges keep torch's op, whose capture rule (collectives) refuses those wrappers
-    if not getattr(_CAPTURING, "depth", 0) or parallel_wrapper_range(raw(self.name)) is not None:
-        return _ORIGINAL[0](self)
+    if parallel_wrapper_range(raw(self.name)) is not None:
+        return _ENTER.original(self)
     self._efx_captured = True
     torch.ops.effectfx.range_enter(self.name)
     return self
@@ -81,31 +77,15 @@ def _enter(self: Any) -> Any:
 
 def _exit(self: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
     if not getattr(self, "_efx_captured", False):
-        return _ORIGINAL[1](self, exc_type, exc_value, traceback)
+        return _EXIT.original(self, exc_type, exc_value, traceback)
     self._efx_captured = False
     torch.ops.effectfx.range_exit()
     return None
 
 
-@contextlib.contextmanager
-def capture_ranges() -> Iterator[None]:
-    """While a capture runs on this thread: ``record_function`` records its range as effects."""
-    global _INSTALLED
-    with _LOCK:
-        if _INSTALLED == 0:
-            autograd_profiler.record_function.__enter__ = _enter  # type: ignore[method-assign]
-            autograd_profiler.record_function.__exit__ = _exit  # type: ignore[method-assign]
-        _INSTALLED += 1
-    _CAPTURING.depth = getattr(_CAPTURING, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _CAPTURING.depth -= 1
-        with _LOCK:
-            _INSTALLED -= 1
-            if _INSTALLED == 0:
-                autograd_profiler.record_function.__enter__, autograd_profiler.record_function.__exit__ = (
-                    _ORIGINAL)
+# while a capture runs on this thread: ``record_function`` records its range as effects
+_ENTER = interpose(autograd_profiler.record_function, "__enter__", _enter)
+_EXIT = interpose(autograd_profiler.record_function, "__exit__", _exit)
 
 
 def profiled(call_region: Callable[..., Any]) -> Callable[..., Any]:
