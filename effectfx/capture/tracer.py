@@ -188,25 +188,45 @@ class Tracer(TorchDispatchMode):
             self.composite.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is _DEVICE and type(args[0]) is FakeTensor:
+        rule = _RULES.get(func)
+        if rule is None:
+            rule = _RULES[func] = _rule_of(func)
+        return rule(self, func, args, kwargs or {})
+
+    # -- the per-op rules (``_RULES``) --------------------------------------------------------------
+    def _device(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if type(args[0]) is FakeTensor:
             return args[0].fake_device  # autograd asks ~10 times per region call site: answer at once
-        kwargs = kwargs or {}
-        if not self.recording or func in _PASSTHROUGH:
+        return func(*args, **kwargs)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Metadata queries a fake answers itself: never recorded, no bookkeeping."""
+        return func(*args, **kwargs)
+
+    def _collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Per-group ordered effects (``interposers.collectives``)."""
+        if not self.recording:
             return func(*args, **kwargs)
-        if func.namespace in COLLECTIVE_NAMESPACES:  # per-group ordered effects (collectives.py)
-            out = record_collective(self, func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func in _DATA_DEPENDENT:
-            value = self.constants.value(func, args, kwargs)
-            if value is not UNKNOWN:  # a tensor made from Python constants only: eager's Python sees this
-                return value
-            raise DataDependentControlFlowError(
-                f"{self.where()} uses the value of a tensor in Python ({func}) at {user_location()}.\n"
-                "effectfx traces with fake tensors, so values are unknown during capture. Use tensor ops "
-                "instead of Python control flow (e.g. torch.where), or move the check outside the captured "
-                "function."
-            )
+        out = record_collective(self, func, args, kwargs)
+        return self._record(func, args, kwargs) if out is NotImplemented else out
+
+    def _data_dependent(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if not self.recording:
+            return func(*args, **kwargs)
+        value = self.constants.value(func, args, kwargs)
+        if value is not UNKNOWN:  # a tensor made from Python constants only: eager's Python sees this
+            return value
+        raise DataDependentControlFlowError(
+            f"{self.where()} uses the value of a tensor in Python ({func}) at {user_location()}.\n"
+            "effectfx traces with fake tensors, so values are unknown during capture. Use tensor ops "
+            "instead of Python control flow (e.g. torch.where), or move the check outside the captured "
+            "function."
+        )
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Every other op: recorded into the current graph, run on fakes."""
+        if not self.recording:
+            return func(*args, **kwargs)
         args, kwargs = map_structure(self.to_fake, (args, kwargs))
         key = effect_of(func)
         composite = self.composite
@@ -396,3 +416,17 @@ class Tracer(TorchDispatchMode):
                 if isinstance(item, torch.Tensor):
                     builder.bind(item, builder.call(operator.getitem, (node, i)))
             node.meta["val"] = tuple(out)
+
+
+# What the tracer does with each op, one rule per op (as JAX's per-primitive rules), found once per op
+_RULES: dict[Any, Callable[[Tracer, Any, tuple, dict], Any]] = {
+    _DEVICE: Tracer._device,
+    **dict.fromkeys(_PASSTHROUGH - {_DEVICE}, Tracer._run),
+    **dict.fromkeys(_DATA_DEPENDENT, Tracer._data_dependent),
+}
+
+
+def _rule_of(func: Any) -> Callable[[Tracer, Any, tuple, dict], Any]:
+    if getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES:
+        return Tracer._collective
+    return Tracer._record

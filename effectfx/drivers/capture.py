@@ -50,14 +50,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
     if root.traced.backward is None:
         return forward
     traced = root.traced
-    backward = Program(
-        traced.backward,
-        InputSignature(tree_flatten([None] * (len(traced.saved_meta) + sum(traced.tangent_mask)))[1], (), ()),
-        (), tree_flatten([None] * len(traced.grad_meta))[1],
-        tuple(("tensor", i) for i in range(len(traced.grad_meta))),
-        regions=_regions_of(traced.backward, root.tracer), history=record, name=f"{name} (backward)",
-        bodies=forward.bodies,
-    )
+    backward = _backward(root, record, f"{name} (backward)", forward.bodies)
     ambient_state = ambient_context()
     # what a retrace needs of the arguments, without keeping the caller's tensors alive
     others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in root.leaves]
@@ -74,6 +67,18 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
 
     return TrainingProgram(forward, backward, traced.tangent_mask, traced.grad_mask, traced.saved, retrace,
                            traced.covered_by)
+
+
+def _backward(root: RootTrace, record: tuple, name: str, bodies: tuple) -> Program:
+    """The program of the root's backward: saved values and tangents in, gradients out."""
+    traced = root.traced
+    return Program(
+        traced.backward,
+        InputSignature(tree_flatten([None] * (len(traced.saved_meta) + sum(traced.tangent_mask)))[1], (), ()),
+        (), tree_flatten([None] * len(traced.grad_meta))[1],
+        tuple(("tensor", i) for i in range(len(traced.grad_meta))),
+        regions=_regions_of(traced.backward, root.tracer), history=record, name=name, bodies=bodies,
+    )
 
 
 def _forward(root: RootTrace, record: tuple, name: str) -> Program:
