@@ -117,8 +117,8 @@ return the saved values that are its own inputs (the call site hands its operand
 saved value is only a ``getitem`` node at the call site (every site shares one fake per saved slot as its
 metadata), the module's parameters it passes are lifted as they are, without fakes (``Scope.lift_real``),
 efx.compile simplifies its own capture in place rather than copying it (``passes.simplify``), and a graph's
-first runs are interpreted, its code generated only when it runs again (``effectfx.graph.steps``): a root
-graph with a line per call site costs more to compile than to interpret a few times.
+first runs are interpreted, its code generated only when it runs again (``effectfx.graph.interpreter``): a
+root graph with a line per call site costs more to compile than to interpret a few times.
 
 Note [Partial backward]
 ~~~~~~~~~~~~~~~~~~~~~~~

@@ -1,4 +1,4 @@
-"""A catalogue of bad inputs: each is refused with a clear EffectfxError subclass (issue 5).
+"""A catalogue of bad inputs: each is refused with a clear EffectfxError subclass.
 
 Every refusal must name the region or op, the user's source line, and what to do; after any error the
 caches (efx.compile's signature cache, a region's known effects) hold nothing half-built, and the next

@@ -1,4 +1,4 @@
-"""Capture with regions and effect tokens, differentially against eager (issue 2, points 3-6).
+"""Capture with regions and effect tokens, differentially against eager.
 
 Every scenario runs through ``check_against_eager`` (eager vs every registered form vs efx.compile: same
 outputs, same effect log, capture runs no effect) and additionally asserts the structure that makes it

@@ -128,7 +128,7 @@ def test_fast_fakes_are_the_fakes_torch_makes(requires_grad: bool) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
 
     from effectfx.capture.tracer import Tracer
-    from effectfx.graph.meta import TensorMeta
+    from effectfx.graph.traced import TensorMeta
     from effectfx.hops.region import call_region
 
     tracer = Tracer(call_region)

@@ -1,4 +1,4 @@
-"""efx.compile under autograd (issue 3): outputs, gradients of inputs and parameters, forward and backward
+"""efx.compile under autograd: outputs, gradients of inputs and parameters, forward and backward
 effect logs against eager, for every scenario the issue lists; plus the structure that makes them right
 (one forward and one backward body per region cache key, effects in the graph of their phase)."""
 

@@ -1,4 +1,4 @@
-"""efx.compile's cache (issue 3, point 1) and inspection (point 5): what reuses a program, what recompiles,
+"""efx.compile's cache and inspection (point 5): what reuses a program, what recompiles,
 and that every cached program still agrees with eager."""
 
 from __future__ import annotations

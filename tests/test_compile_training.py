@@ -1,4 +1,4 @@
-"""Training with efx.compile (issue 3): optimizer loops against eager from the same initialization, gradient
+"""Training with efx.compile: optimizer loops against eager from the same initialization, gradient
 accumulation, retain_graph, torch.autograd.grad, and optimizer updates seen by the compiled module."""
 
 from __future__ import annotations

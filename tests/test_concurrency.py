@@ -1,4 +1,4 @@
-"""Concurrency: a compiled callable used from several threads at once (issue 5).
+"""Concurrency: a compiled callable used from several threads at once.
 
 Each signature is compiled once (``cfn.stats.compiles``), and every thread gets correct results, correct
 gradients and its complete effect log.  The effect ops here log ``(thread id, label, fingerprint)`` to one

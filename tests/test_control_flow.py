@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (golden graph text has long lines)
-"""torch.cond, while_loop and scan in captured code (issue 13 item 1; Note [Control flow]).
+"""torch.cond, while_loop and scan in captured code (Note [Control flow]).
 
 Each differential test runs eager and every form of ``FORMS`` plus two calls of ``efx.compile`` on the same
 inputs and compares outputs, gradients and the effect log; ``both_ways`` runs one captured program on
@@ -181,7 +181,7 @@ def test_cond_training_matches_eager(x) -> None:
     check_against_eager(model, x.clone())
 
 
-# -- flex_attention (issue 13 item 2) ------------------------------------------------------------------
+# -- flex_attention ------------------------------------------------------------------
 def _relative(score, b, h, q, kv):
     return score + (q - kv) * 0.1
 

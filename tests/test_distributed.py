@@ -1,4 +1,4 @@
-"""Collectives as ordered effects, on 2 processes (gloo, 127.0.0.1): issue 13 items 4-5.
+"""Collectives as ordered effects, on 2 processes (gloo, 127.0.0.1).
 
 Every scenario runs once on both ranks, in one pair of spawned processes (a module fixture: torch's import
 and the first capture are paid once), and returns plain data; the tests below check it.  A rank's

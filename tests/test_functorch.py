@@ -213,7 +213,7 @@ def test_torch_func_inside_the_compiled_function_matches_eager() -> None:
 
 def test_functional_call_of_compiled_module_matches_eager() -> None:
     # was: the call after a functional_call ran with the swapped-in parameters (efx.compile(model) is a
-    # module since issue 25: before, AttributeError "'CompiledCallable' object has no attribute ...")
+    # module since before, AttributeError "'CompiledCallable' object has no attribute ...")
     m = model()
     cm = efx.compile(m)
     params = new_params(m)

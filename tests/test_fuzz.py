@@ -1,4 +1,4 @@
-"""Differential fuzzing against eager (issue 5): a small deterministic sample of generated programs, the
+"""Differential fuzzing against eager: a small deterministic sample of generated programs, the
 generator's coverage, the shrinker, and the ``effectfx fuzz`` command (which also runs 2000 programs:
 ``python -m effectfx fuzz --programs 2000 --seed 0``)."""
 

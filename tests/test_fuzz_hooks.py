@@ -346,7 +346,7 @@ def _partial_retrace_spec() -> ProgramSpec:
 
 @pytest.mark.xfail(strict=True, reason="effectfx core: the partial backward's retrace (the updated input "
                    "gets no gradient) takes one output fewer of the first region call, so every later FX "
-                   "node is named differently and graph.meta.same_forward, which matches nodes by name, "
+                   "node is named differently and graph.traced.same_forward, which matches nodes by name, "
                    "raises CaptureError although the forward is the same")
 def test_partial_backward_after_an_input_updated_from_a_region() -> None:
     outcome = check_program(_partial_retrace_spec())

@@ -1,6 +1,6 @@
 # ruff: noqa: E501  (golden graph text has long lines)
-"""Golden graph tests for capture (issue 2): the seed's Before/After forms (README.md's seed example, captured
-and functionalized) and every scenario of point 5 of issue 2.
+"""Golden graph tests for capture: the seed's Before/After forms (README.md's seed example, captured
+and functionalized) and every capture scenario below.
 
 The expected texts are the normalized program text (``prog.code()``: root first, then every subgraph once,
 FX bookkeeping stripped).  Every functionalized program is also checked against the token invariants of

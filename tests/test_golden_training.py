@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (golden graph text has long lines)
-"""Golden tests of training programs (issue 3): the forward and backward programs of a 2-block module and of a
+"""Golden tests of training programs: the forward and backward programs of a 2-block module and of a
 chained function region, in the functionalized form (tokens threaded in both) and the captured form.
 
 The structure we promise: the forward region subgraph returns ``(*tokens, *outs, *saved)``; the backward

@@ -1,4 +1,4 @@
-"""Buffers and inputs updated in place, like eager (issue 11, Note [Mutations]): BatchNorm's running
+"""Buffers and inputs updated in place, like eager (Note [Mutations]): BatchNorm's running
 statistics, counters, in-place arguments -- at the root and inside regions, in training and inference."""
 
 from __future__ import annotations

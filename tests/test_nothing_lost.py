@@ -1,4 +1,4 @@
-"""Nothing lost (issue 10): paths that dropped, duplicated or invented an effect, or failed unreadably.
+"""Nothing lost: paths that dropped, duplicated or invented an effect, or failed unreadably.
 
 Each case ends eager-equal (outputs, gradients, effect log -- for prints: stdout, compared via capsys) or in
 an ``EffectfxError`` subclass whose message names the op or region and the line of this file it came from
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import effectfx as efx
-from effectfx.program.printing import graph_code
 from effectfx.program.serialize import SerializationError
+from effectfx.program.text import graph_code
 from effectfx.testing import LOG, check_against_eager, recording
 from effectfx.testing.differential import FORMS
 
@@ -593,7 +593,7 @@ def _eager_hops_work(grad: bool) -> None:
 @pytest.mark.parametrize("where", ["root", "region", "compile"])
 @pytest.mark.parametrize("refused", ["map", "while_loop", "scan", "flex_attention"])
 def test_eager_higher_order_ops_work_after_a_refused_capture(refused, where, grad) -> None:
-    """A failed capture leaves torch usable (issue 13): Dynamo forgets the frames it skipped while the tracer
+    """A failed capture leaves torch usable: Dynamo forgets the frames it skipped while the tracer
     was on the stack (effectfx.interposers.dynamo_frames), or eager scan under autograd fails afterwards.
     Refused: map always; while_loop, scan and flex_attention on tensors that require grad."""
     if refused != "map" and not grad:

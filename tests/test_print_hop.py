@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (golden graph text has long lines)
-"""The print higher-order op in captured code (issue 13 item 3): ``torch._higher_order_ops.print`` is an
+"""The print higher-order op in captured code: ``torch._higher_order_ops.print`` is an
 ordered effect that prints at run time only, with run-time values, exactly as eager prints.
 
 It is captured as Python ``print`` is (``effectfx.hops.print_hop``, ``effectfx.interposers.python_print``): one

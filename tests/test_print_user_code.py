@@ -1,4 +1,4 @@
-"""``print`` in captured code prints what eager prints (issue 24, case 8): under the print options the program
+"""``print`` in captured code prints what eager prints: under the print options the program
 sets (``torch.set_printoptions``, ``printoptions(...)``) or sets outside between calls, under
 ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``: eager shows ``BatchedTensor(...)`` and
 ``GradTrackingTensor(...)``), and under selective activation checkpointing, whose recompute prints again in

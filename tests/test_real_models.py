@@ -1,4 +1,4 @@
-"""Real models (issue 9): GPT-2, Llama, BERT and ViT from ``transformers`` (random weights, built from
+"""Real models: GPT-2, Llama, BERT and ViT from ``transformers`` (random weights, built from
 configs) trained 3 SGD steps with ``efx.compile`` beside eager, every layer a logged region
 (effectfx.testing.hf)."""
 
@@ -84,7 +84,7 @@ def test_layer_region_is_called_once_per_layer(pair: Pair) -> None:
 
 
 def test_layer_region_has_one_body(pair: Pair) -> None:
-    # Issue 9: the layers differ only in plain attributes (``layer_idx``, which no traced op reads without a
+    # the layers differ only in plain attributes (``layer_idx``, which no traced op reads without a
     # KV cache, and the ``name`` label): one body serves all of them, the label an operand of the effect.
     region = efx.explain(pair.compiled).regions[REGION]
     assert len(region.bodies) == 1, [b.differences for b in region.bodies]

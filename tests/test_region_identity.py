@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (golden graph text has long lines)
-"""Region identity (issue 9): bodies keyed on what their trace read, labels as operands, ambient state.
+"""Region identity: bodies keyed on what their trace read, labels as operands, ambient state.
 
 Every scenario is checked against eager (outputs, gradients, effect log, through every form and
 efx.compile) and by the number of bodies it makes; the label convention has a golden graph.

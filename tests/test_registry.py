@@ -1,4 +1,4 @@
-"""The effect registry (issue 2, point 2): register_effect / effect_of / handle.remove, and that capture
+"""The effect registry: register_effect / effect_of / handle.remove, and that capture
 obeys it (an op is threaded by tokens exactly when the registry says it is effectful)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Users' ops at capture (issue 24, case 7): custom ops that write an ``out`` argument, sizes computed from
+"""Users' ops at capture: custom ops that write an ``out`` argument, sizes computed from
 Python constants, and CompositeImplicitAutograd effect ops whose Python kernel has side effects of its own."""
 
 from __future__ import annotations

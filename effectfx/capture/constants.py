@@ -1,4 +1,4 @@
-"""The values of tensors a capture computes from Python constants only (issue 24): known, so used as eager.
+"""The values of tensors a capture computes from Python constants only: known, so used as eager.
 
 ``torch.div(1024, 256, rounding_mode="trunc")`` used as a size (``torch.ones(64, d)``, ``x.view(b, d)``) asks
 for the value of a tensor -- ``aten._local_scalar_dense`` -- which a fake tensor does not have.  When every

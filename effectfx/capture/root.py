@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UnsupportedMutationError
-from ..graph.meta import OperandSource, TracedGraph
+from ..graph.traced import OperandSource, TracedGraph
 from ..interposers.collectives import refuse_parallel_wrappers
 from ..interposers.training_step import TrainingStep, training_step
 from ..program.containers import register_tensor_holders

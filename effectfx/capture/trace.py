@@ -23,8 +23,8 @@ from ..errors import (
     UnsupportedOperatorError,
     UnsupportedReturnError,
 )
-from ..graph.meta import OperandSource, TensorMeta, TracedGraph
 from ..graph.source import in_library, return_lines, trim_traceback, user_location
+from ..graph.traced import OperandSource, TensorMeta, TracedGraph
 from ..graph.walk import eliminate_dead_code
 from ..regions.label import raw
 from ..regions.labels import BodyLabels

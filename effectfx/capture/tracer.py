@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..effects import effect_of
 from ..errors import DataDependentControlFlowError, EffectfxError, UnsupportedMutationError
-from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..graph.traced import TensorMeta
 from ..interposers.collectives import COLLECTIVE_NAMESPACES, record_collective
 from ..interposers.composite import CompositeEffects
 from ..program.containers import map_structure

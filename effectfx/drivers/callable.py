@@ -23,8 +23,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, UnsupportedOperatorError
-from ..graph.meta import TensorMeta
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..graph.traced import TensorMeta
 from ..passes.pipeline import run_passes
 from ..passes.reinplace import reinplace_in_place
 from ..passes.remove_tokens import remove_effect_tokens_pass

@@ -7,7 +7,7 @@ per op and per region call site, so it skips that walk (about 5x cheaper per nod
 candidate once (``_Names``: the same names as FX's).  Code generation is deferred until a module is
 printed or runs a third time, because most graphs of a capture are intermediate (joint graphs, forms that
 passes immediately rewrite) and many run once or twice: a GraphModule's first runs are interpreted
-(``effectfx.graph.steps``), and the code it runs after that comes from effectfx's lean generator
+(``effectfx.graph.interpreter``), and the code it runs after that comes from effectfx's lean generator
 (``effectfx.graph.codegen``); printing still uses FX's.
 """
 
@@ -23,7 +23,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import PythonCode, _illegal_names, _name_regex, _Namespace
 
 from .codegen import runtime_code
-from .steps import INTERPRETED_RUNS, steps_for
+from .interpreter import INTERPRETED_RUNS, steps_for
 
 _RUNTIME = threading.local()  # set while a GraphModule generates the code it runs
 
@@ -121,7 +121,7 @@ class GraphModule(_LazyGraphModule):
     runtime_calls: str | None = None
 
     def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
-        # the first runs are interpreted (graph.steps); the code is generated when the graph runs again.
+        # the first runs are interpreted (graph.interpreter); the code is generated when the graph runs again.
         # The state lives on the module's own class (FX makes one per module), which nothing else holds:
         # copies and pickles of the module never see it, and it dies with the module
         cls = type(self)

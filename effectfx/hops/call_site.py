@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import ops
 from ..capture.tracer import Tracer
-from ..graph.meta import TensorMeta
+from ..graph.traced import TensorMeta
 from ..regions.identity import leaf_of_key
 from ..regions.label import raw
 

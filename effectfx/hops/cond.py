@@ -18,8 +18,8 @@ from .. import ops
 from ..capture.arguments import leaf_names
 from ..capture.tracer import Tracer
 from ..errors import UnsupportedOperatorError
-from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..graph.traced import TensorMeta
 from ..interposers.takeover import take_over
 from .subgraphs import (
     SubgraphScope,

@@ -1,4 +1,4 @@
-"""flex_attention in captured code: eager's CPU kernel, recorded op by op (issue 13 item 2).
+"""flex_attention in captured code: eager's CPU kernel, recorded op by op.
 
 Eager ``flex_attention`` on CPU runs ``math_attention``: the scores ``q @ k^T * scale``, the ``score_mod`` and
 ``mask_mod`` applied under ``vmap``, a softmax and ``@ v``.  During a capture the higher-order op is taken

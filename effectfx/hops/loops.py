@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import ops
 from ..capture.tracer import Tracer
 from ..errors import UnsupportedOperatorError
-from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..graph.traced import TensorMeta
 from ..graph.walk import graph_effect_keys
 from ..interposers.takeover import take_over
 from .subgraphs import (

@@ -25,9 +25,9 @@ from torch.utils._pytree import tree_unflatten
 from ..capture.arguments import flatten_call
 from ..capture.tracer import Tracer
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError, UnsupportedOperatorError
-from ..graph.meta import TensorMeta, TracedGraph, tangents_of
 from ..graph.source import definition, user_location
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..graph.traced import TensorMeta, TracedGraph, tangents_of
 from ..interposers.interpose import interpose
 from ..interposers.python_print import region_result_grad_fn
 from ..program.containers import value_at, write_into

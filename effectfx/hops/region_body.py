@@ -18,8 +18,8 @@ from ..capture.arguments import check_containers_unchanged, leaf_names, with_wri
 from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
 from ..errors import EffectfxError
-from ..graph.meta import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
 from ..graph.source import definition
+from ..graph.traced import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
 from ..regions.cache import PartialBackward, RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors

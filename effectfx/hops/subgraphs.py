@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten
 from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
 from ..errors import CaptureError, UnsupportedMutationError, UnsupportedOperatorError
-from ..graph.meta import OperandSource, TensorMeta
 from ..graph.source import user_location
+from ..graph.traced import OperandSource, TensorMeta
 from ..interposers.interpose import interpose, interposed
 from ..regions.decorator import active_tracer
 

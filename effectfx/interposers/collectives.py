@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from ..effects import register_effect
 from ..errors import UnsupportedOperatorError, UnsupportedParallelWrapperError
-from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..graph.traced import TensorMeta
 
 aten = torch.ops.aten
 _PG_TYPE = "__torch__.torch.classes.c10d.ProcessGroup"

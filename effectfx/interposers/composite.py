@@ -1,4 +1,4 @@
-"""Effect ops whose kernel is CompositeImplicitAutograd stay one node (issue 10, Note [Effect tokens]).
+"""Effect ops whose kernel is CompositeImplicitAutograd stay one node (Note [Effect tokens]).
 
 Such an op (``lib.impl("log", fn, "CompositeImplicitAutograd")``, or ``aten::absolute_``) is *decomposed*
 by the dispatcher at the Autograd key, which sits above the Python key where :class:`Tracer` listens: the

@@ -19,13 +19,13 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from .. import ops
 from ..errors import PartialBackwardError, SignatureMismatchError, UnsupportedMutationError
-from ..graph.meta import TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..graph.traced import TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.walk import subgraphs
 from . import serialize
 from .containers import onto_caller, same_objects, value_at, view_outputs, write_into, write_state
-from .printing import program_text
 from .records import BodyInfo, InputSignature, PassRecord, RegionEntry
+from .text import program_text
 
 
 @dataclass(frozen=True)

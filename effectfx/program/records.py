@@ -11,8 +11,8 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..errors import SignatureMismatchError
-from ..graph.meta import TensorMeta
 from ..graph.symbols import ShapeGuards
+from ..graph.traced import TensorMeta
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ from torch.utils._pytree import treespec_dumps, treespec_loads
 from .. import ops
 from ..errors import EffectfxError
 from ..graph.build import Graph, graph_module
-from ..graph.meta import TensorMeta
 from ..graph.symbols import SIZE_TARGETS, SYM_TYPES
+from ..graph.traced import TensorMeta
 from .records import InputSignature, PassRecord, RegionEntry
 
 FORMAT = "effectfx-program"

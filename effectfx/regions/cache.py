@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph.meta import TensorMeta, TracedGraph
+from ..graph.traced import TensorMeta, TracedGraph
 from .decorator import Region
 from .identity import guards_hold
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..errors import RegionEffectsChangedError
-from ..graph.meta import mask_text
 from ..graph.source import definition
+from ..graph.traced import mask_text
 
 
 def check_body_effects(gm: fx.GraphModule, keys: frozenset[str], commits: list) -> None:

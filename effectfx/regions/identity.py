@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..graph.meta import TensorMeta
+from ..graph.traced import TensorMeta
 from .hooks import GLOBAL, HOOKS, global_hook_key, global_tables, has_hooks, hook_key, hooks_of, tables
 from .label import Label, raw
 from .reads import (

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..graph.meta import TensorMeta, TracedGraph
+from ..graph.traced import TensorMeta, TracedGraph
 from ..graph.walk import is_effectful
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec
 
-from ..graph.meta import TensorMeta
+from ..graph.traced import TensorMeta
 from .hooks import GLOBAL, HOOKS
 from .identity import AUTOCAST_DEVICES
 from .label import raw

@@ -1,4 +1,4 @@
-"""Running a generated program against eager PyTorch, and minimizing one that fails (issue 5).
+"""Running a generated program against eager PyTorch, and minimizing one that fails.
 
 :func:`check_program` runs one :class:`~effectfx.testing.program.ProgramSpec` in eager, through every form
 in ``FORMS`` and through ``efx.compile`` (twice on the same inputs, once on new inputs of the same

@@ -1,4 +1,4 @@
-"""Random programs for differential fuzzing against eager PyTorch (issue 5): the hypothesis strategies.
+"""Random programs for differential fuzzing against eager PyTorch: the hypothesis strategies.
 
 :func:`programs` draws a :class:`~effectfx.testing.program.ProgramSpec`: elementwise ops, reductions
 broadcast back (``a - a.mean(-1, keepdim=True)``), matmuls with module parameters or constants, in-place

@@ -1,5 +1,6 @@
-"""Small FX graphs for the tests of how graphs run (``effectfx.graph.codegen``, ``effectfx.graph.steps``):
-a fixed sample with nested tuple results, and a hypothesis strategy of random ones."""
+"""Small FX graphs for the tests of how graphs run (``effectfx.graph.codegen``,
+``effectfx.graph.interpreter``): a fixed sample with nested tuple results, and a hypothesis strategy of random
+ones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Generated programs as data (issue 5): the description, and the standalone Python source it prints as.
+"""Generated programs as data: the description, and the standalone Python source it prints as.
 
 A program is a plain data description (:class:`ProgramSpec`) that prints as standalone Python source
 (:meth:`ProgramSpec.source`) -- the same text is executed to build the callable, so a printed reproducer is

@@ -1,4 +1,4 @@
-"""Minimizing a generated program that fails (issue 5): a greedy, deletion-based shrinker over the
+"""Minimizing a generated program that fails: a greedy, deletion-based shrinker over the
 description (``effectfx.testing.program``), most drastic candidates first -- a whole region, a statement, a
 simpler call shape, a return, an input's ``requires_grad``, an input, a parameter, a constant, the blocks,
 a hook, a simpler hook.  Whether a candidate still fails is the caller's (``checking.fails_like``)."""

@@ -30,7 +30,7 @@ import torch.fx as fx
 from .. import ops
 from ..effects import effect_of
 from ..graph.walk import region_call
-from ..program.printing import graph_code, program_text
+from ..program.text import graph_code, program_text
 
 # Distinct, readable on white; assigned to effect keys in sorted order.
 PALETTE = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",

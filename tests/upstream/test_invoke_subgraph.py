@@ -542,7 +542,7 @@ class TestInvokeSubgraphCompile:
         # x does not require grad: only the closed-over module's parameters get gradients
         check_sum_backward(fn, lambda: (randn(8, 8),), params=list(mod.parameters()))
 
-    @pytest.mark.xfail(strict=True, raises=(NotImplementedError, AssertionError), reason="issue 10: a direct "
+    @pytest.mark.xfail(strict=True, raises=(NotImplementedError, AssertionError), reason="a direct "
                        "call of torch's invoke_subgraph HOP still fails inside torch ('fake_mode should be "
                        "enabled for HOPs') instead of being captured or refused by name like other HOPs")
     def test_fail_with_direct_invoke_subgraph(self):
@@ -822,7 +822,7 @@ class TestInvokeSubgraphCompile:
         assert region_calls(prog.forward.graph_module) == ["subgraph_0", "subgraph_0", "subgraph_1"]
         assert prog.backward.region_traces == {"subgraph_0": 1, "subgraph_1": 1}
 
-    @pytest.mark.xfail(strict=True, reason="issue 10: [new] activation checkpointing with a random op: "
+    @pytest.mark.xfail(strict=True, reason="activation checkpointing with a random op: "
                        "backward recomputes dropout with a fresh draw from the global generator instead of "
                        "replaying the forward's RNG state, so gradients differ from eager's")
     def test_ac_rng(self):

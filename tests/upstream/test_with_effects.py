@@ -617,7 +617,7 @@ def test_dce():
         assert log == eager.log, name
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: [new] FX's own eliminate_dead_code() removes an op "
+@pytest.mark.xfail(strict=True, reason="FX's own eliminate_dead_code() removes an op "
                    "registered only through efx.register_effect from the captured and token-free graphs "
                    "(torch.fx does not see effectfx's registry, so the node is not impure to FX)")
 @pytest.mark.parametrize("form", ["captured", "token-free"])
@@ -652,7 +652,7 @@ def test_effects_and_input_output_view_simple(requires_grad):
 
 @pytest.mark.parametrize("requires_grad", [
     pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 10: [new] outputs of a training program that alias each other (b and b.view(-1)) leave one "
+        "outputs of a training program that alias each other (b and b.view(-1)) leave one "
         "autograd.Function, so after an in-place write into b torch refuses any autograd use of the view "
         "('Output 1 of _RunTraining is a view and its base ... has been modified inplace')"))),
     False,

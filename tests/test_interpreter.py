@@ -1,4 +1,4 @@
-"""effectfx.graph.steps: a graph's first runs are interpreted, then its code runs; both compute the same
+"""effectfx.graph.interpreter: a graph's first runs are interpreted, then its code runs; both compute the same
 values, perform the same effects in the same order, and release values after their last use."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 import effectfx as efx
 from effectfx.graph.build import GraphModule, graph_module
 from effectfx.graph.codegen import runtime_code
-from effectfx.graph.steps import INTERPRETED_RUNS, steps_for
+from effectfx.graph.interpreter import INTERPRETED_RUNS, steps_for
 from effectfx.testing.effect_ops import recording
 from effectfx.testing.graphs import random_graphs, sample_graph
 from effectfx.testing.models import Stack
