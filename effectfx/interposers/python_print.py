@@ -269,7 +269,8 @@ def _pinned(self: Any) -> Any:
     capture = _current()
     if capture is None or not is_symbolic(self):
         return None
-    if not capture.as_text and sys._getframe(2).f_code.co_filename.startswith(_LIBRARIES):
+    # (the frame of the size's repr or format, the interposer's dispatch, then the caller's)
+    if not capture.as_text and sys._getframe(3).f_code.co_filename.startswith(_LIBRARIES):
         return None
     symbol = self.node.expr
     value = self.node.pytype(self)  # (guards: the program serves this value only)
