@@ -1,15 +1,16 @@
-"""Shared pieces of the benchmarks: the effect op, the block-stack models, timing, machine info, output.
+"""Shared pieces of the benchmarks: the effect op, the block markers, numbers and tables, timing, compiler
+counters, progress, machine info and output (:mod:`benchmarks.common_child` has those of the studies that
+measure in child processes).
 
-The model is a stack of N blocks, each ``relu(Linear(x))`` plus one call of a cheap effect op
-``efxbench::record(label)`` that appends to :data:`LOG`.  The same block body is marked three ways, one
-class per marker, so each system sees its own marker and nothing else:
+Every study is three modules: ``NAME.py`` runs it (``python benchmarks/NAME.py``), ``NAME_systems.py``
+holds its models and the systems it compares, ``NAME_report.py`` turns a run's JSON into its summary, table
+and plot.
 
-* ``"efx"``   -- ``@effectfx.region`` (for ``efx.compile``);
-* ``"tc"``    -- ``@torch.compiler.nested_compile_region`` (for ``torch.compile``);
-* ``"eager"`` -- unmarked (the eager baseline pays no wrapper cost).
-
-The effect op is registered with effectfx (key ``"memory"``) *and* with PyTorch's own effect registry
-(ORDERED); without the latter ``torch.compile`` treats the op as pure and drops every call.
+The effect op ``efxbench::record(label)`` appends to :data:`LOG`.  It is registered with effectfx (key
+``"memory"``) *and* with PyTorch's own effect registry (ORDERED); without the latter ``torch.compile``
+treats the op as pure and drops every call.  :data:`MARKERS` marks a block body for one system each:
+``"efx"`` ``@effectfx.region``, ``"tc"`` ``@torch.compiler.nested_compile_region``, ``"eager"`` nothing
+(the eager baseline pays no wrapper cost).
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -38,8 +41,9 @@ RESULTS_DIR = ROOT / "results"
 # quick runs are smoke tests: they must never replace the committed figures in RESULTS_DIR, so by default
 # they land in a folder .gitignore excludes
 QUICK_RESULTS_DIR = RESULTS_DIR / "quick"
+Key = TypeVar("Key", bound=Hashable)
 
-# -- the effect op ---------------------------------------------------------------------------------
+# -- the effect op and the markers -----------------------------------------------------------------
 LOG: list[str] = []
 
 
@@ -51,24 +55,6 @@ def record(label: str) -> None:
 record.register_fake(lambda label: None)
 efx.register_effect(record, key="memory")
 torch.library._register_effectful_op("efxbench::record", EffectType.ORDERED)
-RECORD = torch.ops.efxbench.record.default
-
-
-# -- the models ------------------------------------------------------------------------------------
-def _forward_effect(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    torch.ops.efxbench.record("block")
-    return torch.relu(self.lin(x))
-
-
-def _forward_plain(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch.relu(self.lin(x))
-
-
-class BlockBase(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-
 
 MARKERS: dict[str, Callable[[Any], Any]] = {
     "eager": lambda f: f,
@@ -76,55 +62,38 @@ MARKERS: dict[str, Callable[[Any], Any]] = {
     "tc": torch.compiler.nested_compile_region,
 }
 
-BLOCKS: dict[tuple[str, bool], type[BlockBase]] = {
-    (marker, effects): type(
-        f"Block_{marker}{'' if effects else '_noeffect'}",
-        (BlockBase,),
-        {"forward": mark(_forward_effect if effects else _forward_plain)},
-    )
-    for marker, mark in MARKERS.items()
-    for effects in (True, False)
-}
 
-
-class Stack(torch.nn.Module):
-    def __init__(self, n: int, width: int, marker: str = "eager", effects: bool = True) -> None:
-        super().__init__()
-        block = BLOCKS[(marker, effects)]
-        self.blocks = torch.nn.ModuleList(block(width) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def make_model(n: int, width: int, marker: str, effects: bool = True, train: bool = True,
-               seed: int = 0) -> Stack:
-    """A fresh stack; the same ``seed`` gives the same weights whatever the marker."""
-    torch.manual_seed(seed)
-    model = Stack(n, width, marker, effects)
-    model.requires_grad_(train)
-    return model
-
-
-def compile_for(system: str, model: torch.nn.Module) -> Callable[..., Any]:
-    if system == "efx":
-        return efx.compile(model)
-    if system == "tc":
-        return torch.compile(model, backend="aot_eager")
-    if system == "eager":
-        return model
-    raise ValueError(system)
-
-
-# -- timing ----------------------------------------------------------------------------------------
+# -- numbers ---------------------------------------------------------------------------------------
 def median(values: Iterable[float]) -> float:
     v = sorted(values)
     if not v:
         return float("nan")
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def median_or_none(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None when none is."""
+    v = [x for x in values if x is not None]
+    return median(v) if v else None
+
+
+def median_of_ok_runs(runs: list[dict[str, Any]], field: str) -> float | None:
+    """The median of ``field`` over the runs that succeeded (``status == "ok"``) and recorded it (runs of an
+    older version of a script may lack a field)."""
+    return median_or_none(r.get(field) for r in runs if r.get("status") == "ok")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None when either is missing or ``b`` is 0."""
+    return a / b if a is not None and b else None
+
+
+def ratio_unless_nan(a: float | None, b: float | None) -> float | None:
+    """:func:`ratio`, and None also when either is NaN (the time a system records for what did not run)."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return None
+    return ratio(a, b)
 
 
 def paired(a: list[float] | None, b: list[float] | None, resamples: int = 4000) -> dict[str, float] | None:
@@ -141,6 +110,36 @@ def paired(a: list[float] | None, b: list[float] | None, resamples: int = 4000) 
             "q3": ordered[(3 * len(ordered)) // 4], "low": float(low), "high": float(high)}
 
 
+def fmt(value: float | None, unit: str = "", digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals and ``unit``; ``-`` for None."""
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def targets_lines(targets: dict[str, dict[str, Any]]) -> list[str]:
+    """A blank line, ``targets:`` and a line per target with its verdict: a count, or a ratio with its CPU
+    figure and its per-round median and quartiles (:func:`paired`).  Nothing for no targets."""
+    lines = ["", "targets:"] if targets else []
+    for name, t in targets.items():
+        value, rounds = t["value"], t.get("paired")
+        if isinstance(value, float):
+            each = f"; per-round median {rounds['median']:.3f}x, IQR {rounds['q1']:.3f}-{rounds['q3']:.3f}x"
+            value = f"{value:.3f}x (CPU {fmt(t['cpu'], 'x', 3)}{each if rounds else ''})"
+        lines.append(f"  {name}: {t['target']}: {value} -> {'met' if t['met'] else 'NOT met'}")
+    return lines
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for k, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if k else c.ljust(w) for c, w in zip(r, widths)))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# -- timing ----------------------------------------------------------------------------------------
 def quiet_gc() -> None:
     """Collect garbage before a measurement (cheap once :func:`freeze_heap` ran)."""
     gc.collect()
@@ -153,10 +152,53 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
+def interleave(steps: dict[Key, Callable[[], Any]], budget_s: float, min_rounds: int = 3
+               ) -> tuple[dict[Key, list[float]], dict[Key, list[float]], int, dict[Key, int]]:
+    """Time ``steps`` interleaved: each round runs every step once in a shuffled order, one sample of
+    >= 20 ms of calls, for ``budget_s`` seconds and at least ``min_rounds`` rounds.  Returns the seconds
+    per call of every sample, wall and CPU time of this process, the rounds and the calls per sample."""
+    calls = {}
+    for key, step in steps.items():  # calls per sample: at least 20 ms
+        t = time.perf_counter()
+        step()
+        calls[key] = max(1, int(0.02 / max(time.perf_counter() - t, 1e-6)))
+    freeze_heap()
+    wall: dict[Key, list[float]] = {key: [] for key in steps}
+    cpu: dict[Key, list[float]] = {key: [] for key in steps}
+    end, rounds = time.perf_counter() + budget_s, 0
+    while time.perf_counter() < end or rounds < min_rounds:
+        order = list(steps)
+        random.shuffle(order)
+        for key in order:
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(calls[key]):
+                steps[key]()
+            wall[key].append((time.perf_counter() - t) / calls[key])
+            cpu[key].append((time.process_time() - c) / calls[key])
+        rounds += 1
+    return wall, cpu, rounds, calls
+
+
+# -- the compilers ----------------------------------------------------------------------------------
+def dynamo_counts() -> dict[str, int]:
+    """torch.compile's counters in this process: frames, graphs installed (a compile or a recompile each),
+    backend compiles (a restarted analysis included) and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"frames_ok": int(counters["frames"]["ok"]), "frames_total": int(counters["frames"]["total"]),
+            "unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "backend_compiles": int(counters["aot_autograd"]["total"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: first line`` (and the next when the first only introduces it, as dynamo's
+    ``BackendCompilerFailed: backend='inductor' raised:`` does)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text += " " + lines[1]
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 # -- progress --------------------------------------------------------------------------------------
@@ -164,11 +206,7 @@ class Progress:
     """A one-line progress bar on stderr (redrawn in place on a terminal, a line per step otherwise)."""
 
     def __init__(self, total: int, title: str = "bench", enabled: bool = True, width: int = 30) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.title = title
-        self.enabled = enabled
-        self.width = width
+        self.total, self.done, self.title, self.enabled, self.width = max(total, 1), 0, title, enabled, width
         self.tty = sys.stderr.isatty()
         self.start = time.perf_counter()
 
@@ -189,14 +227,14 @@ class Progress:
         sys.stderr.flush()
 
 
-# -- machine info and output -----------------------------------------------------------------------
-def _git_commit() -> str | None:
+# -- machine info, provenance ----------------------------------------------------------------------
+def _git(args: list[str], cwd: Path) -> str | None:
+    """``git ARGS`` in ``cwd``: its output, or None outside git (or without git)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def _cpu_model() -> str:
@@ -219,10 +257,27 @@ def machine_info() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "effectfx_commit": _git_commit(),
+        "effectfx_commit": _git(["rev-parse", "--short", "HEAD"], ROOT) or None,
     }
 
 
+def effectfx_source() -> dict[str, Any]:
+    """Which effectfx a run measured, without this machine's paths: the imported package's folder relative
+    to its git checkout (outside one, its name) and that checkout's ``git rev-parse HEAD`` (None outside)."""
+    package = Path(efx.__file__).resolve().parent
+    top = _git(["rev-parse", "--show-toplevel"], package)
+    path = package.relative_to(top).as_posix() if top and package.is_relative_to(top) else package.name
+    return {"effectfx_path": path, "effectfx_git_commit": _git(["rev-parse", "HEAD"], package) or None}
+
+
+def effectfx_dirty() -> bool | None:
+    """Whether the imported effectfx package has uncommitted changes (the commit then does not say it all);
+    None outside git."""
+    status = _git(["status", "--porcelain", "--", "."], Path(efx.__file__).resolve().parent)
+    return None if status is None else bool(status)
+
+
+# -- output ----------------------------------------------------------------------------------------
 def output_dir(out: Path | None, quick: bool) -> Path:
     """Where a run writes: ``out`` when given, else :data:`QUICK_RESULTS_DIR` for quick runs (git-ignored)
     and :data:`RESULTS_DIR` (the committed figures) for full runs."""
@@ -249,13 +304,15 @@ def write_json(data: dict[str, Any], out_dir: Path, name: str) -> Path:
     return replace_atomically(out_dir / f"{name}.json", lambda tmp: tmp.write_text(text))
 
 
-def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    """The options every script's results take: where they go, redrawing them, and the child-process one."""
+def add_output_arguments(parser: argparse.ArgumentParser, name: str, child: bool = True) -> None:
+    """The options every script's results take: where they go, redrawing them, and (for a script that
+    measures in child processes) the child's own."""
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where {name}.json goes (default: results/, or results/quick/ with --quick)")
     parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
                         help="redraw the table and PNG (next to JSON) from a run's JSON; no measuring")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    if child:
+        parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -268,15 +325,17 @@ def add_run_arguments(parser: argparse.ArgumentParser, budget: bool = True) -> N
     parser.add_argument("--label", default=None, help="a note on the run, kept in the JSON")
 
 
-Report = tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[dict[str, Any]], str],
-               Callable[[dict[str, Any], Path], Path]]  # a script's summarize, table and plot
+# a study's report: summarize (None: the run's JSON holds its analysis already), table and plot
+Report = tuple[Callable[[dict[str, Any]], dict[str, Any]] | None, Callable[[dict[str, Any]], str],
+               Callable[[dict[str, Any], Path], Path]]
 
 
 def redraw(json_path: Path, report: Report) -> int:
     """``--plot-only``: the summary, table and PNG (next to the JSON) of a run's results, no measuring."""
     summarize, table, plot = report
     data = json.loads(json_path.read_text())
-    data["summary"] = summarize(data)
+    if summarize is not None:
+        data["summary"] = summarize(data)
     print(table(data))
     print("wrote", replace_atomically(json_path.with_suffix(".png"), lambda p: plot(data, p)))
     return 0
@@ -286,12 +345,27 @@ def publish(data: dict[str, Any], out_dir: Path, name: str, report: Report) -> N
     """Write a run's measurements (first, whatever the summary does), then with their summary; print the
     table and write the PNG."""
     summarize, table, plot = report
-    write_json(data, out_dir, name)
-    data["summary"] = summarize(data)
     path = write_json(data, out_dir, name)
+    if summarize is not None:
+        data["summary"] = summarize(data)
+        path = write_json(data, out_dir, name)
     print(table(data))
     print(f"\nwrote {path}")
     print("wrote", replace_atomically(out_dir / f"{name}.png", lambda p: plot(data, p)))
+
+
+def dispatch(args: argparse.Namespace, name: str, report: Report, measure: Callable[[], dict[str, Any]],
+             child: Callable[[dict[str, Any]], Any] | None = None) -> int:
+    """A script's ``main`` once its options are parsed: ``--plot-only`` redraws; ``--child SPEC`` measures
+    the part ``child(spec)`` does and prints it as one JSON line (for :func:`benchmarks.common_child.run`);
+    otherwise the whole run is measured (``measure()``) and published."""
+    if args.plot_only is not None:
+        return redraw(args.plot_only, report)
+    if child is not None and args.child:
+        print(json.dumps(child(json.loads(args.child)), default=str))
+        return 0
+    publish(measure(), output_dir(args.out, args.quick), name, report)
+    return 0
 
 
 def save_figure(fig: Any, title: str, data: dict[str, Any], path: Path) -> Path:
@@ -305,30 +379,3 @@ def save_figure(fig: Any, title: str, data: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def format_table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for k, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if k else c.ljust(w) for c, w in zip(r, widths)))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def warmup() -> None:
-    """Pay one-time costs (lazy imports, dynamo/AOT initialisation, first dispatch) before measuring."""
-    for train in (False, True):
-        for system, marker in (("efx", "efx"), ("tc", "tc"), ("eager", "eager")):
-            torch._dynamo.reset()
-            model = make_model(1, 8, marker, train=train)
-            x = torch.randn(2, 8)
-            with torch.set_grad_enabled(train):
-                out = compile_for(system, model)(x)
-                if train and out.requires_grad:
-                    out.sum().backward()
-    torch._dynamo.reset()
-    LOG.clear()
-    freeze_heap()

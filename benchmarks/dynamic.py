@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,8 +49,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import torch  # noqa: E402
 
 import effectfx as efx  # noqa: E402
-from benchmarks import common  # noqa: E402
-from benchmarks.common import median  # noqa: E402
+from benchmarks import common, common_child  # noqa: E402
 from benchmarks.dynamic_report import plot, summarize, table  # noqa: E402
 from benchmarks.dynamic_systems import (  # noqa: E402
     BATCH,
@@ -68,8 +64,6 @@ from benchmarks.dynamic_systems import (  # noqa: E402
     build,
     captures,
     compare,
-    dynamo_counts,
-    error_text,
     has_effects,
     inductor_stats,
     minus,
@@ -79,7 +73,6 @@ from benchmarks.dynamic_systems import (  # noqa: E402
     train_call,
     uses_inductor,
 )
-from benchmarks.inductor import tree_cpu_s  # noqa: E402
 
 
 # -- in a subprocess: warm-up, the first calls ---------------------------------------------------------------
@@ -91,8 +84,7 @@ def warm_up(inductor: bool) -> float:
         efx.compile(lambda a: torch.sin(a) * 2, dynamic=dynamic)(x).sum().backward()
         torch.compile(lambda a: torch.cos(a) * 3, backend="aot_eager", dynamic=dynamic)(x).sum().backward()
     if inductor:  # as inductor.py: Inductor's ISA probe, precompiled header, compile workers
-        torch.compile(lambda a: torch.cos(a) * 3, backend="inductor")(torch.randn(5))
-        efx.compile(lambda a: torch.sin(a) + 1, backend="inductor")(torch.randn(3))
+        common_child.warm_up_inductor()
     torch._dynamo.reset()
     common.freeze_heap()
     return time.perf_counter() - start
@@ -102,9 +94,9 @@ def first_calls(system: str, lengths: list[int], threads: int) -> dict[str, Any]
     """The 16 first calls of ``system`` in this (fresh) process."""
     torch.set_num_threads(threads)
     warmup_s = warm_up(uses_inductor(system))
-    cpu_clock = tree_cpu_s if uses_inductor(system) else time.process_time
+    cpu_clock = common_child.tree_cpu_s if uses_inductor(system) else time.process_time
     model, f = build(system)
-    dyn0, ind0 = dynamo_counts(), inductor_stats()
+    dyn0, ind0 = common.dynamo_counts(), inductor_stats()
     calls, got = [], []
     for ids in batches(lengths):
         gc.collect()
@@ -112,12 +104,12 @@ def first_calls(system: str, lengths: list[int], threads: int) -> dict[str, Any]
         try:
             status, loss, log = train_call(f, ids)
         except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
-            status, loss, log = error_text(e), None, []
+            status, loss, log = common.error_text(e), None, []
         wall, cpu = time.perf_counter() - wall, cpu_clock() - cpu
         call = {"length": int(ids.shape[1]), "wall_s": wall, "cpu_s": cpu, "status": status,
                 "effects": len(log), "captures": captures(system, f, dyn0)}
         if SYSTEMS[system][0] == "tc":
-            call["dynamo"] = minus(dynamo_counts(), dyn0)
+            call["dynamo"] = minus(common.dynamo_counts(), dyn0)
         if uses_inductor(system) and SYSTEMS[system][0] == "efx":
             call["inductor"] = minus(inductor_stats(), ind0)
         calls.append(call)
@@ -135,7 +127,7 @@ def first_calls(system: str, lengths: list[int], threads: int) -> dict[str, Any]
     if SYSTEMS[system][0] == "efx":
         result["capture_seconds"] = list(f.stats.compile_seconds)
     if SYSTEMS[system][0] == "tc":
-        result["dynamo"] = minus(dynamo_counts(), dyn0)
+        result["dynamo"] = minus(common.dynamo_counts(), dyn0)
     if uses_inductor(system) and SYSTEMS[system][0] == "efx":
         result["inductor"] = minus(inductor_stats(), ind0)
         result["segments"] = segments_report()
@@ -159,7 +151,7 @@ def steady_state(systems: list[str], lengths: list[int], length: int, budget_s: 
     counters_of: dict[str, Callable[[], int]] = {}
     for system in systems:
         model, f = build(system)
-        dyn0 = dynamo_counts()
+        dyn0 = common.dynamo_counts()
         step = _step(f, model, ids)
         want, want_log = want_of[has_effects(system)]
         try:
@@ -173,7 +165,7 @@ def steady_state(systems: list[str], lengths: list[int], length: int, budget_s: 
             step()
             step()
         except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
-            status[system] = error_text(e)
+            status[system] = common.error_text(e)
             continue
         info[system] = {"max_rel_diff": verdict.get("max_rel_diff"), "effects": len(log),
                         "effects_ok": list(log) == want_log}
@@ -187,33 +179,15 @@ def steady_state(systems: list[str], lengths: list[int], length: int, budget_s: 
         steps[system] = step
         counters_of[system] = lambda system=system, f=f, dyn0=dyn0: captures(system, f, dyn0)
         info[system]["captures_after_warmup"] = counters_of[system]()
-    calls = {}
-    for system, step in steps.items():  # calls per sample: at least 20 ms
-        t = time.perf_counter()
-        step()
-        calls[system] = max(1, int(0.02 / max(time.perf_counter() - t, 1e-6)))
     before = {system: counters_of[system]() for system in steps}
-    graphs_before = dynamo_counts()["unique_graphs"]
-    common.freeze_heap()
-    samples: dict[str, list[float]] = {system: [] for system in steps}
-    cpu: dict[str, list[float]] = {system: [] for system in steps}  # compiles done: process time
-    end, rounds = time.perf_counter() + budget_s, 0
-    while time.perf_counter() < end or rounds < 3:
-        order = list(steps)
-        random.shuffle(order)
-        for system in order:
-            t, c = time.perf_counter(), time.process_time()
-            for _ in range(calls[system]):
-                steps[system]()
-            samples[system].append((time.perf_counter() - t) / calls[system])
-            cpu[system].append((time.process_time() - c) / calls[system])
-        rounds += 1
+    graphs_before = common.dynamo_counts()["unique_graphs"]
+    samples, cpu, rounds, calls = common.interleave(steps, budget_s)  # compiles done: process time
     for system in steps:  # nothing may have captured or compiled again while timing
         info[system]["captures_while_timing"] = counters_of[system]() - before[system]
     return {"status": status, "info": info, "length": length, "rounds": rounds, "calls_per_sample": calls,
-            "dynamo_graphs_while_timing": dynamo_counts()["unique_graphs"] - graphs_before,
-            "step_ms": {k: median(v) * 1e3 for k, v in samples.items()},
-            "step_cpu_ms": {k: median(v) * 1e3 for k, v in cpu.items()},
+            "dynamo_graphs_while_timing": common.dynamo_counts()["unique_graphs"] - graphs_before,
+            "step_ms": {k: common.median(v) * 1e3 for k, v in samples.items()},
+            "step_cpu_ms": {k: common.median(v) * 1e3 for k, v in cpu.items()},
             "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()}}
 
 
@@ -226,19 +200,6 @@ def _step(f: Callable[..., Any], model: torch.nn.Module, ids: torch.Tensor) -> C
             p.grad = None
 
     return step
-
-
-def _child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                              capture_output=True, text=True, timeout=7200)
-    except subprocess.TimeoutExpired:
-        return {"status": "child timed out after 7200 s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"status": f"child failed (exit {proc.returncode}): {proc.stderr[-500:]}"}
 
 
 # -- the whole run -------------------------------------------------------------------------------------------
@@ -264,11 +225,12 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
             random.Random(rep).shuffle(order)  # no system always runs first (or last) on a busy machine
             for system in order:
                 spec = {"mode": "first", "system": system, "lengths": cfg["lengths"], "threads": threads}
-                first[system].append(_child(spec, tempfile.mkdtemp(dir=tmp)))
+                cache_dir = tempfile.mkdtemp(dir=tmp)
+                first[system].append(common_child.run(__file__, spec, cache_dir, timeout=7200))
                 bar.step(f"{system} first calls, repetition {rep + 1}")
         spec = {"mode": "steady", "systems": list(cfg["steady"]), "lengths": cfg["lengths"],
                 "length": cfg["steady_length"], "budget_s": cfg["budget_s"], "threads": threads}
-        steady = _child(spec, tempfile.mkdtemp(dir=tmp))
+        steady = common_child.run(__file__, spec, tempfile.mkdtemp(dir=tmp), timeout=7200)
         bar.step("steady state")
     machine = common.machine_info()
     machine["torch_threads"] = threads
@@ -276,7 +238,7 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
             "config": {"quick": quick, "lengths": cfg["lengths"], "batch": BATCH,
                        "steady_length": cfg["steady_length"], "reps": cfg["reps"],
                        "inductor_reps": cfg["inductor_reps"], "budget_s": cfg["budget_s"], "threads": threads,
-                       "label": label, "effectfx_path": str(Path(efx.__file__).parent),
+                       "label": label, **common.effectfx_source(),
                        "tolerance": TOLERANCE, "model": "hf.build('gpt2'): 4 layers, hidden 64, vocab 100",
                        "first_call_systems": list(cfg["first_call"]), "steady_systems": list(cfg["steady"]),
                        "systems": {k: {"compiler": v[0], "backend": v[1], "dynamic": v[2], "label": v[3]}
@@ -286,6 +248,7 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
                                    "counters['aot_autograd']['total'] (restarted analyses included)"},
             "first_calls": first, "steady_state": steady}
     return data
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -297,22 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     common.add_run_arguments(parser, budget=False)
     common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
-    if args.plot_only is not None:
-        return common.redraw(args.plot_only, (summarize, table, plot))
-    if args.child:
-        spec = json.loads(args.child)
+
+    def child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["mode"] == "first":
-            result = first_calls(spec["system"], spec["lengths"], spec["threads"])
-        else:
-            result = steady_state(spec["systems"], spec["lengths"], spec["length"], spec["budget_s"],
-                                  spec["threads"])
-        print(json.dumps(result, default=str))
-        return 0
-    systems = args.systems.split(",") if args.systems else None
-    data = run(args.quick, args.reps, args.inductor_reps, systems, args.threads, not args.no_progress,
-               args.label)
-    common.publish(data, common.output_dir(args.out, args.quick), NAME, (summarize, table, plot))
-    return 0
+            return first_calls(spec["system"], spec["lengths"], spec["threads"])
+        return steady_state(spec["systems"], spec["lengths"], spec["length"], spec["budget_s"],
+                            spec["threads"])
+
+    def measure() -> dict[str, Any]:
+        systems = args.systems.split(",") if args.systems else None
+        return run(args.quick, args.reps, args.inductor_reps, systems, args.threads, not args.no_progress,
+                   args.label)
+
+    return common.dispatch(args, NAME, (summarize, table, plot), measure, child)
 
 
 if __name__ == "__main__":

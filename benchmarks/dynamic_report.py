@@ -1,33 +1,14 @@
-"""The summary, table and plot of ``benchmarks/dynamic.py``'s results, with the issue's targets."""
+"""The summary, table and plot of ``benchmarks/dynamic.py``'s results, with its targets (benchmarks/README.md,
+"Symbolic shapes")."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-from benchmarks import common  # noqa: E402
-from benchmarks.common import median  # noqa: E402
-from benchmarks.dynamic_systems import (  # noqa: E402
-    BATCH,
-    STATIC_OF,
-    SYSTEMS,
-    TC_OF,
-)
-
-
-# -- summary, table, plot ------------------------------------------------------------------------------------
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _med(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return median(values) if values else None
+from benchmarks import common
+from benchmarks.common import fmt, median, ratio
+from benchmarks.dynamic_systems import BATCH, STATIC_OF, SYSTEMS, TC_OF
 
 
 def most_compiles_of_a_segment(segments: list[dict[str, Any]]) -> int:
@@ -83,17 +64,17 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     for system in ms:
         s = by.setdefault(system, {})
         s["step_ms"], s["step_cpu_ms"] = ms[system], cms.get(system)
-        s["step_over_eager"] = _div(ms[system], ms.get("eager"))
-        s["step_over_eager_cpu"] = _div(cms.get(system), cms.get("eager"))
+        s["step_over_eager"] = ratio(ms[system], ms.get("eager"))
+        s["step_over_eager_cpu"] = ratio(cms.get(system), cms.get("eager"))
         tc = TC_OF.get(system)
         if tc != system:  # torch.compile failed with the effects: its effect-free run stands in
             used = tc if tc in ms or f"{tc}_pure" not in ms else f"{tc}_pure"
             s["step_tc_used"] = used
-            s["step_over_tc"] = _div(ms[system], ms.get(used))
-            s["step_over_tc_cpu"] = _div(cms.get(system), cms.get(used))
+            s["step_over_tc"] = ratio(ms[system], ms.get(used))
+            s["step_over_tc_cpu"] = ratio(cms.get(system), cms.get(used))
         if system in STATIC_OF:
-            s["step_over_static"] = _div(ms[system], ms.get(STATIC_OF[system]))
-            s["step_over_static_cpu"] = _div(cms.get(system), cms.get(STATIC_OF[system]))
+            s["step_over_static"] = ratio(ms[system], ms.get(STATIC_OF[system]))
+            s["step_over_static_cpu"] = ratio(cms.get(system), cms.get(STATIC_OF[system]))
     for system, s in by.items():
         if system not in ms and system in steady.get("status", {}):
             s["step_status"] = steady["status"][system]
@@ -103,14 +84,15 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 else f"{tc}_pure"
             if "total_wall_s" in by.get(used, {}):
                 s["first_tc_used"] = used
-                s["total_over_tc"] = _div(s["total_wall_s"], by[used]["total_wall_s"])
-                s["total4_over_tc"] = _div(s["total4_wall_s"], by[used]["total4_wall_s"])
-                s["total4_over_tc_cpu"] = _div(s["total4_cpu_s"], by[used]["total4_cpu_s"])
+                s["total_over_tc"] = ratio(s["total_wall_s"], by[used]["total_wall_s"])
+                s["total4_over_tc"] = ratio(s["total4_wall_s"], by[used]["total4_wall_s"])
+                s["total4_over_tc_cpu"] = ratio(s["total4_cpu_s"], by[used]["total4_cpu_s"])
     return {"by_system": by, "targets": targets(by, len(data["config"]["lengths"]))}
 
 
 def targets(by: dict[str, dict[str, Any]], n: int) -> list[dict[str, Any]]:
-    """The issue's targets: (what, measured, limit, met); a system not measured gives None."""
+    """The targets (benchmarks/README.md, "Symbolic shapes"): (what, measured, limit, met); a system not
+    measured gives None."""
     efx, ind = by.get("efx", {}), by.get("efx_ind", {})
     k = min(4, n)
     star = "*" if str(ind.get("first_tc_used", "")).endswith("_pure") else ""
@@ -138,10 +120,6 @@ def targets(by: dict[str, dict[str, Any]], n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _f(v: float | None, unit: str = "", digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}{unit}"
-
-
 def _star(s: dict[str, Any], key: str, system: str) -> str:
     """``*`` when torch.compile's effect-free run stood in for the one that failed with effects."""
     used = s.get(key)
@@ -160,15 +138,15 @@ def table(data: dict[str, Any]) -> str:
         right = "-" if "matches_eager" not in s else "fails" if not s["valid"] else (
             ("same" if s["matches_eager"] else "WRONG") + ("" if s["effects_ok"] else ", effects differ"))
         rows.append([system, s.get("captures", "-"), s.get("backend_compiles", "-"),
-                     f"{_f(s.get('first_wall_s'), ' s', 3)} / {_f(s.get('first_cpu_s'), '', 3)}",
-                     f"{_f(s.get('total_wall_s'), ' s', 3)} / {_f(s.get('total_cpu_s'), '', 3)}",
-                     f"{_f(s.get('total_over_first_wall'), 'x')} / {_f(s.get('total_over_first_cpu'), 'x')}",
-                     _f(s.get("total4_wall_s"), " s", 3),
-                     _f(s.get("total4_over_tc"), "x", 3) + _star(s, "first_tc_used", system),
-                     f"{_f(s.get('step_ms'))} / {_f(s.get('step_cpu_ms'))}",
-                     _f(s.get("step_over_eager"), "x"),
-                     _f(s.get("step_over_tc"), "x") + _star(s, "step_tc_used", system),
-                     _f(s.get("step_over_static"), "x"), right,
+                     f"{fmt(s.get('first_wall_s'), ' s', 3)} / {fmt(s.get('first_cpu_s'), '', 3)}",
+                     f"{fmt(s.get('total_wall_s'), ' s', 3)} / {fmt(s.get('total_cpu_s'), '', 3)}",
+                     " / ".join(fmt(s.get(f"total_over_first_{clock}"), "x") for clock in ("wall", "cpu")),
+                     fmt(s.get("total4_wall_s"), " s", 3),
+                     fmt(s.get("total4_over_tc"), "x", 3) + _star(s, "first_tc_used", system),
+                     f"{fmt(s.get('step_ms'))} / {fmt(s.get('step_cpu_ms'))}",
+                     fmt(s.get("step_over_eager"), "x"),
+                     fmt(s.get("step_over_tc"), "x") + _star(s, "step_tc_used", system),
+                     fmt(s.get("step_over_static"), "x"), right,
                      ",".join(str(e) for e in s.get("effects_per_call", [])) or "-"])
     steady = data["steady_state"]
     text = [f"GPT-2 (4 layers) training, batch {BATCH}, lengths {data['config']['lengths'][0]}.."
@@ -194,7 +172,7 @@ def table(data: dict[str, Any]) -> str:
     text.append("* torch.compile(inductor) failed with the effect op: its run without it stands in")
     text += ["", "targets"]
     text.append(common.format_table(["target", "measured", "limit", "status"], [
-        [t["target"], t["value"] if isinstance(t["value"], int) else _f(t["value"], "", 2), t["limit"],
+        [t["target"], t["value"] if isinstance(t["value"], int) else fmt(t["value"], "", 2), t["limit"],
          "not measured" if t["met"] is None else "met" if t["met"] else
          "NOT MET" + (" (wrong results)" if t["results_right"] is False else "")]
         for t in data["summary"]["targets"]]))

@@ -3,19 +3,15 @@ eager and its counts of captures and compiles."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch._library.effects import EffectType
 
-import torch  # noqa: E402
-from torch._library.effects import EffectType  # noqa: E402
-
-import effectfx as efx  # noqa: E402
-from effectfx.testing import effect_ops, hf  # noqa: E402
+import effectfx as efx
+from benchmarks import common
+from effectfx.testing import effect_ops, hf
 
 NAME = "dynamic"
 BATCH = 4
@@ -125,25 +121,7 @@ def references(lengths: list[int], logged: bool = True) -> list[tuple[dict[str, 
     return out
 
 
-def error_text(exc: BaseException) -> str:
-    """``Type: first line`` (and the next when the first only introduces it, as dynamo's
-    ``BackendCompilerFailed: backend='inductor' raised:`` does)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if text.endswith(":") and len(lines) > 1:
-        text += " " + lines[1]
-    return f"{type(exc).__name__}: {text[:300]}"
-
-
 # -- counts -------------------------------------------------------------------------------------------------
-def dynamo_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "backend_compiles": int(counters["aot_autograd"]["total"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
-
-
 def inductor_stats() -> dict[str, int]:
     from effectfx.backends import inductor_cache
 
@@ -161,7 +139,7 @@ def captures(system: str, f: Any, dyn0: dict[str, int]) -> int:
     if compiler == "efx":
         return int(f.stats.compiles)
     if compiler == "tc":
-        return dynamo_counts()["unique_graphs"] - dyn0["unique_graphs"]
+        return common.dynamo_counts()["unique_graphs"] - dyn0["unique_graphs"]
     return 0
 
 

@@ -4,9 +4,12 @@ For a stack of N blocks (Linear + ReLU + one effect op call each), N in {1, 4, 1
 (``torch.no_grad``, parameters not requiring grad) and training (forward + ``out.sum().backward()``).
 Every measurement uses a fresh model (same seed, so the same weights) and, for torch.compile, follows a
 ``torch._dynamo.reset()``; systems are interleaved and their order rotated on each repetition.  The
-effect log of every call is counted and the outputs (and gradients) are compared with eager's.
+effect log of every call is counted and the outputs (and gradients) are compared with eager's.  The model
+and systems are in :mod:`benchmarks.first_call_systems`, the summary, table and plot in
+:mod:`benchmarks.first_call_report`.
 
-Run: ``python benchmarks/first_call.py [--quick]`` or ``effectfx bench``.
+Run: ``python benchmarks/first_call.py [--quick]`` or ``effectfx bench``; ``--plot-only
+results/first_call.json`` redraws the table and plot from a saved run.
 """
 
 from __future__ import annotations
@@ -23,55 +26,35 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import LOG, compile_for, make_model, median  # noqa: E402
+from benchmarks.first_call_report import plot, summarize, table  # noqa: E402
+from benchmarks.first_call_systems import (  # noqa: E402
+    BATCH,
+    LABELS,
+    SYSTEMS,
+    WIDTH,
+    compile_for,
+    example_input,
+    make_model,
+    reference,
+    warmup,
+)
 
 NAME = "first_call"
-# system -> (marker of the blocks, whether blocks call the effect op)
-SYSTEMS: dict[str, tuple[str, bool]] = {
-    "efx": ("efx", True),
-    "tc": ("tc", True),
-    "eager": ("eager", True),
-    "efx_noeffect": ("efx", False),
-    "tc_noeffect": ("tc", False),
-}
-LABELS = {
-    "efx": "effectfx",
-    "tc": "torch.compile",
-    "eager": "eager",
-    "efx_noeffect": "effectfx (no effects)",
-    "tc_noeffect": "torch.compile (no effects)",
-}
 # torch.compile takes seconds per measurement, the others milliseconds: they get more repetitions
 FULL = {"ns": [1, 4, 16, 64], "reps": 7, "tc_reps": 3, "systems": list(SYSTEMS)}
 QUICK = {"ns": [1, 4], "reps": 1, "tc_reps": 1, "systems": ["efx", "tc", "eager"]}
-WIDTH, BATCH = 64, 8
 
 
-def _reference(n: int, train: bool, effects: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    model = make_model(n, WIDTH, "eager", effects, train)
-    x = _input()
-    with torch.set_grad_enabled(train):
-        out = model(x)
-        if not train:
-            return out.detach(), None
-        out.sum().backward()
-    return out.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def _input() -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, WIDTH, generator=g)
-
-
-def measure(system: str, n: int, train: bool, reference: Any) -> dict[str, Any]:
-    """One first call of a fresh model: time, effects counted, status, agreement with eager."""
+def measure(system: str, n: int, train: bool, want: Any) -> dict[str, Any]:
+    """One first call of a fresh model: time, effects counted, status, agreement with eager's ``want``
+    (:func:`benchmarks.first_call_systems.reference`)."""
     marker, effects = SYSTEMS[system]
     if marker == "tc":
         torch._dynamo.reset()
     model = make_model(n, WIDTH, marker, effects, train)
-    x = _input()
+    x = example_input()
     common.quiet_gc()
-    LOG.clear()
+    common.LOG.clear()
     status, forward_s, out = "ok", float("nan"), None
     cpu_start = time.process_time()
     start = time.perf_counter()
@@ -88,11 +71,11 @@ def measure(system: str, n: int, train: bool, reference: Any) -> dict[str, Any]:
         status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start
-    n_effects = len(LOG)
-    LOG.clear()
+    n_effects = len(common.LOG)
+    common.LOG.clear()
     matches = None
     if out is not None and not status.startswith("error"):
-        ref_out, ref_grads = reference
+        ref_out, ref_grads = want
         matches = bool(torch.allclose(out.detach(), ref_out, rtol=1e-4, atol=1e-5))
         if train and status == "ok":
             grads = [p.grad for p in model.parameters()]
@@ -129,8 +112,8 @@ def plan(quick: bool) -> list[tuple[int, str, bool, int]]:
 def run(quick: bool = False, progress: common.Progress | None = None, warm: bool = True) -> dict[str, Any]:
     cfg = QUICK if quick else FULL
     if warm:
-        common.warmup()
-    references = {(n, train, eff): _reference(n, train, eff)
+        warmup()
+    references = {(n, train, eff): reference(n, train, eff)
                   for n in cfg["ns"] for train in (False, True) for eff in (True, False)}
     raw: dict[tuple[str, bool, int], list[dict[str, Any]]] = {}
     for _rep, system, train, n in plan(quick):
@@ -145,9 +128,9 @@ def run(quick: bool = False, progress: common.Progress | None = None, warm: bool
             "label": LABELS[system],
             "mode": "training" if train else "inference",
             "n": n,
-            "median_s": median(r["seconds"] for r in runs),
-            "cpu_median_s": median(r["cpu_seconds"] for r in runs),
-            "forward_median_s": median(r["forward_seconds"] for r in runs),
+            "median_s": common.median(r["seconds"] for r in runs),
+            "cpu_median_s": common.median(r["cpu_seconds"] for r in runs),
+            "forward_median_s": common.median(r["forward_seconds"] for r in runs),
             "runs_s": [r["seconds"] for r in runs],
             "effects_per_call": [r["effects"] for r in runs],
             "expected_effects": runs[0]["expected_effects"],
@@ -170,153 +153,18 @@ def run(quick: bool = False, progress: common.Progress | None = None, warm: bool
     return data
 
 
-def _lookup(data: dict[str, Any], system: str, mode: str, n: int) -> dict[str, Any] | None:
-    for r in data["results"]:
-        if r["system"] == system and r["mode"] == mode and r["n"] == n:
-            return r
-    return None
-
-
-def summarize(data: dict[str, Any]) -> dict[str, Any]:
-    ns = data["config"]["ns"]
-    summary: dict[str, Any] = {}
-    for mode in ("inference", "training"):
-        rows = {}
-        for n in ns:
-            efx, tc, eager = (_lookup(data, s, mode, n) for s in ("efx", "tc", "eager"))
-            efx0, tc0 = (_lookup(data, s, mode, n) for s in ("efx_noeffect", "tc_noeffect"))
-            rows[str(n)] = {
-                "efx_s": efx["median_s"],
-                "efx_min_s": min(efx["runs_s"]),  # the fastest repetition: the least disturbed by others
-                "tc_s": tc["median_s"],
-                "tc_ok": tc["ok"],
-                "eager_s": eager["median_s"],
-                "tc_over_efx": tc["median_s"] / efx["median_s"],
-                "tc_over_efx_cpu": tc["cpu_median_s"] / efx["cpu_median_s"],
-                "efx_cpu_s": efx["cpu_median_s"],
-                "efx_over_eager": efx["median_s"] / eager["median_s"],
-                "tc_noeffect_over_efx_noeffect": tc0["median_s"] / efx0["median_s"] if tc0 and efx0 else None,
-                "efx_effects_correct": efx["effects_correct"],
-                "tc_effects_correct": tc["effects_correct"],
-                "tc_effects_per_call": tc["effects_per_call"],
-                "efx_matches_eager": efx["matches_eager"],
-                "tc_matches_eager": tc["matches_eager"],
-            }
-        first, last = str(min(ns)), str(max(ns))
-        growth = rows[last]["efx_s"] / rows[first]["efx_s"]
-        growth_cpu = rows[last]["efx_cpu_s"] / rows[first]["efx_cpu_s"]
-        summary[mode] = {
-            "by_n": rows,
-            "efx_growth": growth,
-            "efx_growth_cpu": growth_cpu,
-            "efx_growth_fastest": rows[last]["efx_min_s"] / rows[first]["efx_min_s"],
-            "growth_from_to": [int(first), int(last)],
-            "target_tc_over_efx_at_max_n": 20.0,
-            # when torch.compile could not run backward it did less work: its ratio is then a lower bound
-            "meets_speedup_target": rows[last]["tc_over_efx"] >= 20.0,
-            "speedup_is_lower_bound": not rows[last]["tc_ok"],
-            "meets_speedup_target_vs_working_tc": (rows[last]["tc_noeffect_over_efx_noeffect"] or 0) >= 20.0,
-        }
-    return summary
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}x"
-
-
-def table(data: dict[str, Any]) -> str:
-    out = []
-    for mode in ("inference", "training"):
-        s = data["summary"][mode]
-        rows = []
-        for n, r in s["by_n"].items():
-            tc_note = "" if r["tc_ok"] else " *"
-            rows.append([
-                n, f"{r['efx_s'] * 1e3:.1f}", f"{r['tc_s'] * 1e3:.1f}{tc_note}", f"{r['eager_s'] * 1e3:.2f}",
-                f"{r['tc_over_efx']:.1f}x", f"{r['tc_over_efx_cpu']:.1f}x",
-                _ratio(r["tc_noeffect_over_efx_noeffect"]),
-                "yes" if r["efx_effects_correct"] and r["efx_matches_eager"] else "NO",
-                ("yes" if r["tc_effects_correct"] else f"NO {r['tc_effects_per_call']}")
-                + ("" if r["tc_ok"] else ", no grad_fn"),
-            ])
-        out.append(f"first call, {mode} (median wall ms; ratios = torch.compile / effectfx, "
-                   "cpu = process CPU time)")
-        out.append(common.format_table(
-            ["N", "effectfx", "torch.compile", "eager", "tc/efx", "tc/efx cpu", "tc/efx no-eff",
-             "efx correct", "tc correct"], rows))
-        lo, hi = s["growth_from_to"]
-        out.append(f"effectfx growth N={lo}->{hi}: {s['efx_growth']:.2f}x (cpu {s['efx_growth_cpu']:.2f}x, "
-                   f"fastest repetitions {s['efx_growth_fastest']:.2f}x; no target: the first run's own cost "
-                   f"per call site is its floor);  tc/efx at N={hi}: "
-                   f"{s['by_n'][str(hi)]['tc_over_efx']:.1f}x (target >= 20x: "
-                   f"{'met' if s['meets_speedup_target'] else 'NOT met'}"
-                   f"{', lower bound: torch.compile skipped backward' if s['speedup_is_lower_bound'] else ''}"
-                   ")")
-        if any(not r["tc_ok"] for r in s["by_n"].values()):
-            out.append("* torch.compile's output had no grad_fn, so backward could not run: "
-                       "forward time only")
-        out.append("")
-    return "\n".join(out)
-
-
-def plot(data: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    styles = {"efx": ("effectfx", "C0", "o"), "tc": ("torch.compile (aot_eager)", "C3", "s"),
-              "eager": ("eager (first call)", "C2", "^"),
-              "tc_noeffect": ("torch.compile, no effects", "C1", "x")}
-    ns = data["config"]["ns"]
-    for ax, mode in zip(axes, ("inference", "training")):
-        for system, (label, color, marker) in styles.items():
-            rows = [r for r in (_lookup(data, system, mode, n) for n in ns) if r is not None]
-            if not rows:
-                continue
-            xs = [r["n"] for r in rows]
-            ys = [r["median_s"] * 1e3 for r in rows]
-            ls = ":" if system == "tc_noeffect" else "-"
-            ax.plot(xs, ys, ls, color=color, marker=marker, label=label)
-            bad = [(r["n"], r["median_s"] * 1e3) for r in rows if not r["ok"]]
-            if bad:
-                ax.scatter(*zip(*bad), s=140, facecolors="none", edgecolors="k", zorder=5,
-                           label="torch.compile: no grad_fn (fwd only)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(ns)
-        ax.set_xticklabels([str(n) for n in ns])
-        ax.set_xlabel("number of blocks N")
-        ax.set_title(f"first call, {mode}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("time of first call (ms)")
-    axes[1].legend(fontsize=8, loc="best")
-    m = data["machine"]
-    fig.suptitle(f"capture+compile+first run, Linear({WIDTH})+ReLU+effect per block -- torch {m['torch']}, "
-                 f"{m['timestamp'][:16]}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N in (1, 4), one repetition")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: results/, or results/quick/ with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    common.add_output_arguments(parser, NAME, child=False)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out = common.output_dir(args.out, args.quick)
-    progress = common.Progress(len(plan(args.quick)), NAME)
-    data = run(args.quick, progress)
-    print(table(data))
-    print("wrote", common.write_json(data, out, NAME),
-          common.replace_atomically(out / f"{NAME}.png", lambda path: plot(data, path)))
-    return 0
+
+    def measure() -> dict[str, Any]:
+        torch.set_num_threads(args.threads)
+        return run(args.quick, common.Progress(len(plan(args.quick)), NAME))
+
+    return common.dispatch(args, NAME, (summarize, table, plot), measure)
 
 
 if __name__ == "__main__":

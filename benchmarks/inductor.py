@@ -1,7 +1,8 @@
 """effectfx's Inductor backend beside torch.compile and eager: first call (fresh and warm Inductor caches)
 and the steady-state training and inference steps, for a stack of N transformer-style blocks (N = 2, 16),
 GPT-2 and Llama (12 layers each); the models and systems are in :mod:`benchmarks.inductor_systems`, the
-summary, tables, issue 26's targets and plot in :mod:`benchmarks.inductor_report`.
+summary, tables, targets (benchmarks/README.md, "Inductor backend") and plot in
+:mod:`benchmarks.inductor_report`.
 
 First call = capture + compile + first forward and backward (then the second call's wall time apart:
 effectfx compiles its root graph's segments on their second run), each measured in its own subprocess whose
@@ -26,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,10 +42,8 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 import torch  # noqa: E402
 
-import effectfx as efx  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import common, common_child  # noqa: E402
 from benchmarks import inductor_systems as defs  # noqa: E402
-from benchmarks.common import LOG, median  # noqa: E402
 from benchmarks.inductor_report import plot, summarize, table  # noqa: E402
 from benchmarks.inductor_systems import (  # noqa: E402
     SYSTEMS,
@@ -75,52 +72,12 @@ QUICK = {"configs": [("stack", 2)], "reps": {"stack": 1}, "budget_s": 2.0, "syst
 
 
 # -- one first call, in a subprocess -----------------------------------------------------------------------
-def tree_cpu_s() -> float:
-    """CPU seconds of this process, its finished children, and every live descendant with theirs: Inductor
-    compiles C++ in worker processes (each running the compiler), which wall-clock time on a shared
-    machine mixes with other users' work."""
-    import resource
-
-    total = sum(getattr(resource.getrusage(who), f) for f in ("ru_utime", "ru_stime")
-                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)], stats[int(entry)] = int(fields[1]), fields
-    mine = {os.getpid()}
-    for pid in sorted(parents):  # descendants: walk each chain of parents up to this process
-        chain, p = [], pid
-        while p in parents and p not in mine and p > 1:
-            chain.append(p)
-            p = parents[p]
-        if p in mine:
-            mine.update(chain)
-    for pid in mine - {os.getpid()}:
-        total += sum(int(v) for v in stats[pid][11:15]) / tick  # utime stime cutime cstime
-    return total
-
-
-def _warm_up() -> None:
-    """The one-time costs every system pays alike (see the module docstring)."""
-    torch.compile(lambda a: torch.cos(a) * 3, backend="inductor")(torch.randn(5))
-    efx.compile(lambda a: torch.sin(a) + 1, backend="inductor")(torch.randn(3))
-    torch._dynamo.reset()
-    LOG.clear()
-    common.freeze_heap()
-
-
 def first_call(model: str, n: int, system: str) -> dict[str, Any]:
     """Measure one first call in this process (a subprocess of the benchmark: see ``--child``)."""
     torch.set_num_threads(1)
     register_hop_backend()
     start = time.perf_counter()
-    _warm_up()
+    common_child.warm_up_inductor()
     warmup_s = time.perf_counter() - start
     module, loss_of, _ = build(model, n, system)
     f = compiled(system, module)
@@ -136,14 +93,14 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
 
     compiles = inductor_cache.STATS.compiles
     gc.collect()
-    cpu, wall = tree_cpu_s(), time.perf_counter()
+    cpu, wall = common_child.tree_cpu_s(), time.perf_counter()
     try:
         loss = loss_of(f)
         loss.backward()
     except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
         return {"status": f"{type(e).__name__}: {str(e)[:300]}", "warmup_s": warmup_s}
-    wall, cpu = time.perf_counter() - wall, tree_cpu_s() - cpu
-    result = {"status": "ok", "wall_s": wall, "cpu_s": cpu, "warmup_s": warmup_s, "effects": len(LOG),
+    wall, cpu = time.perf_counter() - wall, common_child.tree_cpu_s() - cpu
+    result = {"status": "ok", "wall_s": wall, "cpu_s": cpu, "warmup_s": warmup_s, "effects": len(common.LOG),
               "effects_expected": n if SYSTEMS[system][2] else 0}
     result.update(check(model, n, system, module, loss))
     if system == "efx":
@@ -158,16 +115,6 @@ def first_call(model: str, n: int, system: str) -> dict[str, Any]:
     if system == "efx":
         result["second_segments"] = segments[len(result["segments"]):]
     return result
-
-
-def _child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=3600)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"status": f"child failed (exit {proc.returncode}): {proc.stderr[-500:]}"}
 
 
 # -- steady state, in one process ---------------------------------------------------------------------------
@@ -190,18 +137,18 @@ def _prepare(model: str, n: int, system: str, mode: str) -> tuple[Callable[[], N
     step = training if mode == "training" else inference
     step()
     step()
-    LOG.clear()
+    common.LOG.clear()
     if mode == "training":
         loss = loss_of(f)
         loss.backward()
-        effects = len(LOG)
+        effects = len(common.LOG)
         verdict = check(model, n, system, module, loss)
         for p in params:
             p.grad = None
     else:
         with torch.no_grad():
             out = out_of(f)
-        effects = len(LOG)
+        effects = len(common.LOG)
         verdict = check_inference(model, n, system, out)
     step()
     verdict["effects"], verdict["effects_expected"] = effects, n if SYSTEMS[system][2] else 0
@@ -236,32 +183,14 @@ def steady_state(model: str, n: int, budget_s: float, systems: list[str],
             else:
                 status[mode][system] = "ok"
                 steps[system, mode] = step
-    calls = {}
-    for key, step in steps.items():  # calls per sample: at least 20 ms
-        t = time.perf_counter()
-        step()
-        calls[key] = max(1, int(0.02 / max(time.perf_counter() - t, 1e-6)))
-    common.freeze_heap()
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
-    cpu: dict[tuple[str, str], list[float]] = {key: [] for key in steps}  # one thread: process time
-    end, rounds = time.perf_counter() + budget_s, 0
-    while time.perf_counter() < end or rounds < 3:
-        order = list(steps)
-        random.shuffle(order)
-        for key in order:
-            t, c = time.perf_counter(), time.process_time()
-            for _ in range(calls[key]):
-                steps[key]()
-            samples[key].append((time.perf_counter() - t) / calls[key])
-            cpu[key].append((time.process_time() - c) / calls[key])
-        rounds += 1
+    samples, cpu, rounds, _ = common.interleave(steps, budget_s)  # one thread: process time is the step's
 
     def per_mode(values: dict[tuple[str, str], Any]) -> dict[str, dict[str, Any]]:
         return {mode: {s: v for (s, m), v in values.items() if m == mode} for mode in MODES}
 
     return {"status": status, "checks": checks, "rounds": rounds,
-            "step_ms": per_mode({k: median(v) * 1e3 for k, v in samples.items()}),
-            "step_cpu_ms": per_mode({k: median(v) * 1e3 for k, v in cpu.items()}),
+            "step_ms": per_mode({k: common.median(v) * 1e3 for k, v in samples.items()}),
+            "step_cpu_ms": per_mode({k: common.median(v) * 1e3 for k, v in cpu.items()}),
             "samples_ms": per_mode({k: [x * 1e3 for x in v] for k, v in samples.items()})}
 
 
@@ -293,7 +222,7 @@ def run(quick: bool = False, reps: int | None = None, hop: bool = False) -> dict
                         if kind == "warm" and fresh.get("status") != "ok":  # nothing to load: not measured
                             result = {"status": f"not run: the fresh call failed ({fresh.get('status')})"}
                         else:
-                            result = _child(spec, cache)
+                            result = common_child.run(__file__, spec, cache)
                         first.setdefault(key, []).append(result)
                         progress.step(key)
         steady: dict[str, dict[str, list[Any]]] = {f"{m}/{n}": {"processes": []} for m, n in configs}
@@ -304,7 +233,8 @@ def run(quick: bool = False, reps: int | None = None, hop: bool = False) -> dict
                     f"{model}/{n}/{s}/fresh")) and all(r["status"] != "ok" for r in runs)}
                 spec = {"mode": "steady", "model": model, "n": n, "systems": steady_systems, "skip": skip,
                         "budget_s": cfg["budget_s"]}
-                steady[f"{model}/{n}"]["processes"].append(_child(spec, caches[f"{model}/{n}"]))
+                process = common_child.run(__file__, spec, caches[f"{model}/{n}"])
+                steady[f"{model}/{n}"]["processes"].append(process)
                 progress.step(f"{model}/{n} steady state, process {k + 1} of {n_steady}")
     machine = common.machine_info()
     machine["load_average_start"], machine["duration_s"] = LOAD_AT_START, time.time() - started
@@ -327,19 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also effectfx's capture through torch's invoke_subgraph lowering (efx_hop)")
     common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
-    if args.plot_only is not None:
-        return common.redraw(args.plot_only, (summarize, table, plot))
-    if args.child:
-        spec = json.loads(args.child)
+
+    def child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["mode"] == "first":
-            result = first_call(spec["model"], spec["n"], spec["system"])
-        else:
-            result = steady_state(spec["model"], spec["n"], spec["budget_s"], spec["systems"], spec["skip"])
-        print(json.dumps(result, default=str))
-        return 0
-    data = run(args.quick, args.reps, args.hop)
-    common.publish(data, common.output_dir(args.out, args.quick), NAME, (summarize, table, plot))
-    return 0
+            return first_call(spec["model"], spec["n"], spec["system"])
+        return steady_state(spec["model"], spec["n"], spec["budget_s"], spec["systems"], spec["skip"])
+
+    return common.dispatch(args, NAME, (summarize, table, plot), lambda: run(args.quick, args.reps, args.hop),
+                           child)
 
 
 if __name__ == "__main__":

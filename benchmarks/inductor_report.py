@@ -1,4 +1,5 @@
-"""The summary, tables, targets and plot of ``benchmarks/inductor.py``'s results (issue 26's targets)."""
+"""The summary, tables, targets and plot of ``benchmarks/inductor.py``'s results; the targets are
+benchmarks/README.md's ("Inductor backend": GPT-2 and Llama, 12 layers)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.common import median
+from benchmarks.common import fmt, median, median_of_ok_runs, ratio
 
 MODES = ("training", "inference")
-# the issue's targets: first call vs torch.compile on the 12-layer models, warm second process, steady steps
+# the targets: (a) first call vs torch.compile on the 12-layer models and a warm second process, (b) the
+# steady steps vs torch.compile and eager, (c) every effectfx call exact (benchmarks/README.md)
 HF_TAGS = ("gpt2/12", "llama/12")
 STEP_TAGS = ("stack/16", *HF_TAGS)
 FIRST_LIMITS = {"tc_ncr": 0.8, "tc": 0.5}
 WARM_LIMIT_S = 1.0
 STEP_LIMITS = {"tc": 1.0, "eager": 0.95}
-
-
-def _median_of(runs: list[dict[str, Any]], field: str) -> float | None:
-    values = [r[field] for r in runs if r.get("status") == "ok" and field in r]  # (older runs lack some)
-    return median(values) if values else None
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def _step_used(ms: dict[str, float], other: str) -> str:
@@ -82,8 +75,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     (wall and CPU).  Where torch.compile failed on the effectful model, its effect-free run stands in
     (``*_used`` says).  Then the targets."""
     first, steady = data["first_call"], data["steady_state"]
-    wall = {k: _median_of(v, "wall_s") for k, v in first.items()}
-    cpu = {k: _median_of(v, "cpu_s") for k, v in first.items()}
+    wall = {k: median_of_ok_runs(v, "wall_s") for k, v in first.items()}
+    cpu = {k: median_of_ok_runs(v, "cpu_s") for k, v in first.items()}
     out: dict[str, Any] = {"first_call_s": wall, "first_call_cpu_s": cpu,
                            "warmup_s": median([r["warmup_s"] for v in first.values() for r in v
                                                if "warmup_s" in r])}
@@ -97,8 +90,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 continue
             used = other if wall.get(f"{tag}/{other}/fresh") is not None else f"{other}_pure"
             s[f"first_{other}_used"] = used
-            s[f"first_efx_over_{other}"] = _div(s["efx_first_s"], wall.get(f"{tag}/{used}/fresh"))
-            s[f"first_efx_over_{other}_cpu"] = _div(s["efx_first_cpu_s"], cpu.get(f"{tag}/{used}/fresh"))
+            s[f"first_efx_over_{other}"] = ratio(s["efx_first_s"], wall.get(f"{tag}/{used}/fresh"))
+            s[f"first_efx_over_{other}_cpu"] = ratio(s["efx_first_cpu_s"], cpu.get(f"{tag}/{used}/fresh"))
         procs, steps = processes(st), merged(st)
         for mode in MODES:
             ms = steps["step_ms"][mode]
@@ -115,10 +108,10 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 s[f"{mode}_efx_over_{other}_processes"] = walls
                 s[f"{mode}_efx_over_{other}_paired"] = _pooled(procs, mode, "efx", used)
             s[f"{mode}_twin"] = _pooled(procs, mode, "efx_twin", "efx")
-            s[f"{mode}_tc_over_eager"] = _div(ms.get(s.get(f"{mode}_tc_used", "")), ms.get("eager"))
+            s[f"{mode}_tc_over_eager"] = ratio(ms.get(s.get(f"{mode}_tc_used", "")), ms.get("eager"))
         out[tag] = s
-    out["efx_growth_stack_2_to_16"] = _div(wall.get("stack/16/efx/fresh"), wall.get("stack/2/efx/fresh"))
-    out["efx_growth_stack_2_to_16_cpu"] = _div(cpu.get("stack/16/efx/fresh"), cpu.get("stack/2/efx/fresh"))
+    out["efx_growth_stack_2_to_16"] = ratio(wall.get("stack/16/efx/fresh"), wall.get("stack/2/efx/fresh"))
+    out["efx_growth_stack_2_to_16_cpu"] = ratio(cpu.get("stack/16/efx/fresh"), cpu.get("stack/2/efx/fresh"))
     out["targets"] = targets(data, out)
     return out
 
@@ -126,7 +119,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
 def _target(text: str, value: float | None, value_cpu: float | None, limit: float,
             paired_: dict[str, float] | None = None, twin: dict[str, float] | None = None,
             per_process: list[float] | None = None) -> dict[str, Any]:
-    """Judged on wall time (the issue's measure); CPU beside it (robust to a loaded machine).  A step
+    """Judged on wall time (the targets' measure); CPU beside it (robust to a loaded machine).  A step
     target also carries the paired per-round ratio with its interval, the twins' ratio and each process's
     ratio: ``resolved`` is whether the run tells the verdict apart from noise (the interval and the twins'
     distance from 1 both clear of the limit, and every process on the same side of it)."""
@@ -173,12 +166,8 @@ def targets(data: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _f(v: float | None, unit: str = "", digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}{unit}"
-
-
 def _pair(a: float | None, b: float | None, unit: str = "", star: bool = False) -> str:
-    return f"{_f(a, unit)} / {_f(b, unit)}" + ("*" if star else "")
+    return f"{fmt(a, unit)} / {fmt(b, unit)}" + ("*" if star else "")
 
 
 def _verdict(t: dict[str, Any]) -> str:
@@ -214,10 +203,11 @@ def table(data: dict[str, Any]) -> str:
         ok = [r for r in runs if r.get("status") == "ok"]
         checks = "-" if not ok else "same" if all(
             r["ok"] and r["effects"] == r["effects_expected"] for r in ok) else "MISMATCH"
-        rows.append([key, _f(summary["first_call_s"][key], " s"), _f(summary["first_call_cpu_s"][key], " s"),
-                     _f(_median_of(runs, "second_s"), " s"), f"{len(ok)}/{len(runs)}", checks,
+        times = (summary["first_call_s"][key], summary["first_call_cpu_s"][key],
+                 median_of_ok_runs(runs, "second_s"))
+        rows.append([key, *(fmt(t, " s") for t in times), f"{len(ok)}/{len(runs)}", checks,
                      bad[0][:70] if bad else ""])
-    warm = _f(summary["warmup_s"], " s")
+    warm = fmt(summary["warmup_s"], " s")
     text = [f"first call: median wall and CPU (process tree), and the second call's wall (effectfx compiles "
             f"its root's segments then); one-time warm-up apart, median {warm}",
             common.format_table(["model/N/system/cache", "wall", "cpu", "second", "ok", "vs eager",
@@ -252,8 +242,8 @@ def table(data: dict[str, Any]) -> str:
              "effect-free run stands in)",
              common.format_table(["model/N", "efx first", "efx warm", *[f"first /{o}" for o in others],
                                   *[f"{m[:5]} /{o}" for m in MODES for o in ("eager", *others)]], rows),
-             f"effectfx first-call growth, stack N=2 -> 16: {_f(summary['efx_growth_stack_2_to_16'], 'x')} "
-             f"wall, {_f(summary['efx_growth_stack_2_to_16_cpu'], 'x')} CPU", "", targets_text(summary)]
+             f"effectfx first-call growth, stack N=2 -> 16: {fmt(summary['efx_growth_stack_2_to_16'], 'x')} "
+             f"wall, {fmt(summary['efx_growth_stack_2_to_16_cpu'], 'x')} CPU", "", targets_text(summary)]
     return "\n".join(text)
 
 

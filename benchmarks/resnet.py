@@ -18,18 +18,19 @@ Measured, with systems interleaved and their order rotated on each repetition:
    ``num_batches_tracked``) after the first step, and every parameter and buffer after the warm-up steps,
    compared with eager's; effects counted per step (expected: one per block).
 
-Run: ``python benchmarks/resnet.py [--quick] [--out DIR]``.
+The model and systems are in :mod:`benchmarks.resnet_systems`, the summary, table and plot in
+:mod:`benchmarks.resnet_report`.
+
+Run: ``python benchmarks/resnet.py [--quick] [--out DIR] [--systems a,b]``; ``--plot-only
+results/resnet.json`` redraws the table and plot from a saved run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ import torch  # noqa: E402
 import effectfx as efx  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import LOG, median  # noqa: E402
-from benchmarks.resnet_model import (  # noqa: E402
+from benchmarks.resnet_report import plot, summarize, table  # noqa: E402
+from benchmarks.resnet_systems import (  # noqa: E402
     ATOL,
     BATCH,
     CHANNELS,
@@ -52,15 +54,15 @@ from benchmarks.resnet_model import (  # noqa: E402
     SIZE,
     SYSTEMS,
     WARMUP_STEPS,
-    _snapshot,
     batch,
     build,
     compare,
     compile_for,
     n_blocks,
     references,
+    snapshot,
+    train_call,
 )
-from benchmarks.resnet_report import plot, summarize, table  # noqa: E402
 
 NAME = "resnet"
 # torch.compile takes seconds per first call, the others milliseconds to a second: they get more repetitions
@@ -70,32 +72,7 @@ QUICK = {"reps": 1, "tc_reps": 1, "rounds": 3, "min_seconds": 0.0, "systems": ["
 
 
 def _error(exc: BaseException) -> str:
-    """``error: Type: first line`` (and the next when the first only introduces it, as dynamo's
-    ``BackendCompilerFailed: backend='aot_eager' raised:`` does)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if text.endswith(":") and len(lines) > 1:
-        text += " " + lines[1]
-    return f"error: {type(exc).__name__}: {text[:300]}"
-
-
-def _dynamo_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
-
-
-def _step(f: Callable[..., Any], pixels: torch.Tensor,
-          labels: torch.Tensor) -> tuple[str, torch.Tensor | None, float]:
-    """One forward (with labels) and ``loss.backward()``; returns status, loss and the forward's seconds."""
-    start = time.perf_counter()
-    loss = f(pixel_values=pixels, labels=labels).loss
-    forward_s = time.perf_counter() - start
-    if loss.grad_fn is None:
-        return "loss has no grad_fn: backward impossible (forward time only)", loss, forward_s
-    loss.backward()
-    return "ok", loss, forward_s
+    return f"error: {common.error_text(exc)}"
 
 
 # -- 1. first call ---------------------------------------------------------------------------------
@@ -106,7 +83,7 @@ def measure_first_call(system: str, reference: dict[str, Any]) -> dict[str, Any]
         torch._dynamo.reset()
     model = build(system)
     pixels, labels = batch()
-    dyn0 = _dynamo_counts()
+    dyn0 = common.dynamo_counts()
     common.quiet_gc()
     LOG.clear()
     status, loss, forward_s, f = "ok", None, float("nan"), None
@@ -114,7 +91,7 @@ def measure_first_call(system: str, reference: dict[str, Any]) -> dict[str, Any]
     start = time.perf_counter()
     try:
         f = compile_for(compiler, model)
-        status, loss, forward_s = _step(f, pixels, labels)
+        status, loss, forward_s = train_call(f, pixels, labels)
     except Exception as exc:  # a comparator failing is a result, not a crash of the benchmark
         status = _error(exc)
     seconds = time.perf_counter() - start
@@ -123,12 +100,12 @@ def measure_first_call(system: str, reference: dict[str, Any]) -> dict[str, Any]
     row: dict[str, Any] = {"seconds": seconds, "cpu_seconds": cpu_seconds, "forward_seconds": forward_s,
                            "status": status, "effects": effects}
     if not status.startswith("error"):
-        got = _snapshot(model, loss, grads=status == "ok")
+        got = snapshot(model, loss, grads=status == "ok")
         parts = ("loss", "grads", "buffers") if status == "ok" else ("loss", "buffers")
         row.update(compare(got, reference, parts))
     else:
         row["matches_eager"] = None
-    dyn1 = _dynamo_counts()
+    dyn1 = common.dynamo_counts()
     # the second call: transformers set config.problem_type during the first, so a compiler guarding on
     # it compiles again
     second: dict[str, Any] = {"status": "skipped", "seconds": float("nan"), "cpu_seconds": float("nan"),
@@ -140,7 +117,7 @@ def measure_first_call(system: str, reference: dict[str, Any]) -> dict[str, Any]
         cpu_start = time.process_time()
         start = time.perf_counter()
         try:
-            second["status"] = _step(f, pixels, labels)[0]
+            second["status"] = train_call(f, pixels, labels)[0]
         except Exception as exc:
             second["status"] = _error(exc)
         second["seconds"] = time.perf_counter() - start
@@ -151,7 +128,7 @@ def measure_first_call(system: str, reference: dict[str, Any]) -> dict[str, Any]
     if compiler == "efx":  # a compiled module answers for its callable (stats, programs)
         row["efx_compiles"] = f.stats.compiles
     if compiler == "tc":
-        dyn2 = _dynamo_counts()
+        dyn2 = common.dynamo_counts()
         row["dynamo"] = {"first_call": {k: dyn1[k] - dyn0[k] for k in dyn0},
                          "second_call": {k: dyn2[k] - dyn1[k] for k in dyn0}}
         torch._dynamo.reset()
@@ -193,7 +170,7 @@ class Trainer:
         except Exception as exc:
             self.status = _error(exc)
         LOG.clear()
-        self.warm = (compare(_snapshot(self.model, None, grads=False), reference, ("params", "buffers"))
+        self.warm = (compare(snapshot(self.model, None, grads=False), reference, ("params", "buffers"))
                      if self.status == "ok" else {"matches_eager": None})
         if hasattr(getattr(self, "f", None), "stats"):  # efx.compile's callable, or a compiled module
             self.info["efx_compiles"] = self.f.stats.compiles
@@ -286,7 +263,7 @@ def tc_structure(system: str) -> dict[str, Any]:
     torch._dynamo.reset()
     pixels, labels = batch()
     try:
-        status = _step(torch.compile(build(system), backend=backend), pixels, labels)[0]
+        status = train_call(torch.compile(build(system), backend=backend), pixels, labels)[0]
     except Exception as exc:
         status = _error(exc)
     torch._dynamo.reset()
@@ -318,16 +295,6 @@ def warmup(systems: list[str]) -> None:
     torch._dynamo.reset()
     LOG.clear()
     common.freeze_heap()
-
-
-def _worktree_dirty() -> bool | None:
-    """Whether effectfx/ has uncommitted changes (the commit in machine info then does not say it all)."""
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--", "effectfx"], cwd=common.ROOT.parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
 def run(quick: bool = False, systems: list[str] | None = None, progress: common.Progress | None = None,
@@ -383,7 +350,7 @@ def run(quick: bool = False, systems: list[str] | None = None, progress: common.
         })
     data = {
         "benchmark": NAME,
-        "machine": {**common.machine_info(), "effectfx_worktree_dirty": _worktree_dirty()},
+        "machine": {**common.machine_info(), "effectfx_worktree_dirty": common.effectfx_dirty()},
         "config": {"model": "transformers.ResNetForImageClassification", "resnet_config": CONFIG,
                    "blocks": expected, "batch": [BATCH, CHANNELS, SIZE, SIZE], "lr": LR, "optimizer": "SGD",
                    "warmup_steps": WARMUP_STEPS, "reps": cfg["reps"], "tc_reps": cfg["tc_reps"],
@@ -401,35 +368,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition, eager/effectfx/torch.compile "
                         "with regions, 3 steady-state rounds; writes results/quick/ unless --out")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: results/, or results/quick/ with --quick)")
     parser.add_argument("--systems", default=None,
                         help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all, or quick's)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
-                        help="redraw the table and PNG (next to JSON) from a run's JSON; no measuring")
+    common.add_output_arguments(parser, NAME, child=False)
     args = parser.parse_args(argv)
-    if args.plot_only is not None:
-        data = json.loads(args.plot_only.read_text())
-        print(table(data))
-        png = args.plot_only.with_suffix(".png")
-        print("wrote", common.replace_atomically(png, lambda path: plot(data, path)))
-        return 0
     systems = args.systems.split(",") if args.systems else None
     if systems and (unknown := set(systems) - set(SYSTEMS)):
         parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
-    torch.set_num_threads(args.threads)
-    out = common.output_dir(args.out, args.quick)
-    cfg = dict(QUICK if args.quick else FULL)
-    if systems:
-        cfg["systems"] = systems
-    tc_regions = any(SYSTEMS[s] == ("tc", "tc") for s in cfg["systems"])
-    progress = common.Progress(len(plan(cfg)) + len(cfg["systems"]) + 1 + tc_regions, NAME)
-    data = run(args.quick, systems, progress)
-    print(table(data))
-    print("wrote", common.write_json(data, out, NAME),
-          common.replace_atomically(out / f"{NAME}.png", lambda path: plot(data, path)))
-    return 0
+
+    def measure() -> dict[str, Any]:
+        torch.set_num_threads(args.threads)
+        cfg = dict(QUICK if args.quick else FULL)
+        if systems:
+            cfg["systems"] = systems
+        tc_regions = any(SYSTEMS[s] == ("tc", "tc") for s in cfg["systems"])
+        steps = len(plan(cfg)) + len(cfg["systems"]) + 1 + tc_regions  # first calls, warm-ups, steady, tc
+        return run(args.quick, systems, common.Progress(steps, NAME))
+
+    return common.dispatch(args, NAME, (summarize, table, plot), measure)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.resnet_model import SHORT
+from benchmarks.common import ratio_unless_nan
+from benchmarks.resnet_systems import SHORT
 
 
 def _result(data: dict[str, Any], system: str) -> dict[str, Any] | None:
     return next((r for r in data["results"] if r["system"] == system), None)
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or not b or a != a or b != b:
-        return None
-    return a / b
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
@@ -32,14 +27,16 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "first_two_calls_ms": (fc["median_s"] + fc["second_call_median_s"]) * 1e3,
             "step_ms": st["median_s"] * 1e3,
             "step_cpu_ms": st["cpu_median_s"] * 1e3,
-            "first_call_over_efx": _div(fc["median_s"], efx_ and efx_["first_call"]["median_s"]),
-            "first_call_over_efx_cpu": _div(fc["cpu_median_s"], efx_ and efx_["first_call"]["cpu_median_s"]),
-            "first_two_calls_over_efx": _div(fc["median_s"] + fc["second_call_median_s"],
-                                             efx_ and efx_["first_call"]["median_s"]
-                                             + efx_["first_call"]["second_call_median_s"]),
-            "step_over_eager": _div(st["median_s"], eager and eager["step"]["median_s"]),
-            "step_over_eager_cpu": _div(st["cpu_median_s"], eager and eager["step"]["cpu_median_s"]),
-            "step_over_efx": _div(st["median_s"], efx_ and efx_["step"]["median_s"]),
+            "first_call_over_efx": ratio_unless_nan(fc["median_s"], efx_ and efx_["first_call"]["median_s"]),
+            "first_call_over_efx_cpu": ratio_unless_nan(fc["cpu_median_s"],
+                                                        efx_ and efx_["first_call"]["cpu_median_s"]),
+            "first_two_calls_over_efx": ratio_unless_nan(fc["median_s"] + fc["second_call_median_s"],
+                                                         efx_ and efx_["first_call"]["median_s"]
+                                                         + efx_["first_call"]["second_call_median_s"]),
+            "step_over_eager": ratio_unless_nan(st["median_s"], eager and eager["step"]["median_s"]),
+            "step_over_eager_cpu": ratio_unless_nan(st["cpu_median_s"],
+                                                    eager and eager["step"]["cpu_median_s"]),
+            "step_over_efx": ratio_unless_nan(st["median_s"], efx_ and efx_["step"]["median_s"]),
             "first_call_ok": fc["ok"],
             "step_ok": st["status"] == "ok",
             "effects_correct": r["effects_correct"],

@@ -1,7 +1,8 @@
-"""A whole compiled training step (issue 27): GPT-2 (``effectfx.testing.hf``: 4 layers, hidden 64, random
-weights, every layer a ``LoggedLayer`` region recording its name with ``efxtest::record_memory``) trained
-with AdamW, the step -- forward, ``loss.backward()``, an effect, ``clip_grad_norm_``, ``opt.step()``,
-``opt.zero_grad()``, a ``log_tensor`` of the loss -- run eagerly and compiled in several ways, side by side.
+"""A whole compiled training step (benchmarks/README.md, "Compiled training step"): GPT-2
+(``effectfx.testing.hf``: 4 layers, hidden 64, random weights, every layer a ``LoggedLayer`` region
+recording its name with ``efxtest::record_memory``) trained with AdamW, the step -- forward,
+``loss.backward()``, an effect, ``clip_grad_norm_``, ``opt.step()``, ``opt.zero_grad()``, a ``log_tensor``
+of the loss -- run eagerly and compiled in several ways, side by side.
 
 Systems (:data:`SYSTEMS`; every one builds its own model and AdamW from the same seed):
 
@@ -38,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,8 +53,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import torch  # noqa: E402
 
 import effectfx as efx  # noqa: E402
-from benchmarks import common  # noqa: E402
-from benchmarks.common import median  # noqa: E402
+from benchmarks import common, common_child  # noqa: E402
 from benchmarks.train_step_report import plot, summarize, table  # noqa: E402
 from benchmarks.train_step_systems import (  # noqa: E402
     CLIP,
@@ -64,10 +62,8 @@ from benchmarks.train_step_systems import (  # noqa: E402
     SYSTEMS,
     TARGETS,
     System,
-    _quiet,
     batches,
     compare,
-    dynamo_counts,
     reference_of,
     run_steps,
     state_of,
@@ -87,9 +83,7 @@ def warm_up(inductor: bool, size: int) -> float:
     """The one-time costs every system pays alike (module docstring); returns its seconds."""
     start = time.perf_counter()
     if inductor:
-        from benchmarks.inductor import _warm_up as inductor_warm_up
-
-        inductor_warm_up()  # a tiny torch.compile and efx.compile(backend="inductor")
+        common_child.warm_up_inductor()  # a tiny torch.compile and efx.compile(backend="inductor")
     x = torch.randn(3, 5, requires_grad=True)
     efx.compile(lambda a: torch.sin(a) * 2)(x).sum().backward()
     throwaway = System("eager", seed=1)
@@ -104,12 +98,10 @@ def warm_up(inductor: bool, size: int) -> float:
 
 def first_calls(system: str, calls: int, size: int, threads: int) -> dict[str, Any]:
     """The first ``calls`` steps of ``system`` in this (fresh) process, then its reference's, compared."""
-    from benchmarks.inductor import tree_cpu_s
-
-    _quiet()
+    common_child.quiet_transformers()
     torch.set_num_threads(threads)
     warmup_s = warm_up(uses_inductor(system), size)
-    cpu_clock = tree_cpu_s if uses_inductor(system) else time.process_time
+    cpu_clock = common_child.tree_cpu_s if uses_inductor(system) else time.process_time
     data = batches(calls, size)
     s = System(system)
     timed, losses, logs = [], [], []
@@ -135,28 +127,15 @@ def first_calls(system: str, calls: int, size: int, threads: int) -> dict[str, A
     if s.counted is not None:
         result["capture_seconds"] = list(s.counted.stats.compile_seconds)
     if SYSTEMS[system][0] == "tc_step":
-        result["dynamo"] = dynamo_counts()
+        result["dynamo"] = common.dynamo_counts()
     return result
-
-
-def _child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                              capture_output=True, text=True, timeout=3600)
-    except subprocess.TimeoutExpired:
-        return {"status": "child timed out after 3600 s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"status": f"child failed (exit {proc.returncode}): {proc.stderr[-500:]}"}
 
 
 # -- the steady state, in one process ------------------------------------------------------------------------
 def steady_state(systems: list[str], check_steps: int, size: int, threads: int, budget_s: float,
                  min_rounds: int) -> dict[str, Any]:
     """Every system checked over ``check_steps`` steps against its reference, then timed interleaved."""
-    _quiet()
+    common_child.quiet_transformers()
     torch.set_num_threads(threads)
     data = batches(check_steps, size)
     # references first; torch.compile last (its graphs would guard on effectfx's thread-local state)
@@ -211,12 +190,12 @@ def steady_state(systems: list[str], check_steps: int, size: int, threads: int, 
         checks[system]["captures_while_timing"] = s.captures() - before[system]
         checks[system]["effects_per_step_timed"] = sorted(effects[system])
     result = {"status": status, "checks": checks, "rounds": rounds, "calls_per_sample": calls,
-              "step_ms": {k: median(v) * 1e3 for k, v in samples.items()},
-              "step_cpu_ms": {k: median(v) * 1e3 for k, v in cpu.items()},
+              "step_ms": {k: common.median(v) * 1e3 for k, v in samples.items()},
+              "step_cpu_ms": {k: common.median(v) * 1e3 for k, v in cpu.items()},
               "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
               "samples_cpu_ms": {k: [x * 1e3 for x in v] for k, v in cpu.items()}}
     if "tc_step" in built:
-        result["dynamo"] = dynamo_counts()
+        result["dynamo"] = common.dynamo_counts()
     return result
 
 
@@ -238,7 +217,7 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
     bar = common.Progress(sum(n_reps.values()) + 1, NAME, enabled=progress)
     first: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
     load = [list(os.getloadavg())]
-    dirty = _dirty()  # before the children import effectfx (the tree may change while they run)
+    dirty = common.effectfx_dirty()  # before the children import effectfx (the tree may change meanwhile)
     with tempfile.TemporaryDirectory(prefix="efx-train-step-bench-") as tmp:
         for rep in range(max(n_reps.values())):
             order = [s for s in chosen if rep < n_reps[s]]
@@ -246,12 +225,12 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
             for system in order:
                 spec = {"mode": "first", "system": system, "calls": cfg["calls"], "size": size,
                         "threads": threads}
-                first[system].append(_child(spec, tempfile.mkdtemp(dir=tmp)))
+                first[system].append(common_child.run(__file__, spec, tempfile.mkdtemp(dir=tmp)))
                 bar.step(f"{system} first calls, repetition {rep + 1}")
         load.append(list(os.getloadavg()))
         spec = {"mode": "steady", "systems": chosen, "check_steps": cfg["check_steps"], "size": size,
                 "threads": threads, "budget_s": cfg["budget_s"], "min_rounds": cfg["min_rounds"]}
-        steady = _child(spec, tempfile.mkdtemp(dir=tmp))
+        steady = common_child.run(__file__, spec, tempfile.mkdtemp(dir=tmp))
         bar.step("steady state")
     load.append(list(os.getloadavg()))
     from effectfx.testing import hf
@@ -259,9 +238,8 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
     machine = {**common.machine_info(), "torch_threads": threads}
     machine["load_average_during"] = load  # (1, 5, 15 min) at the start, before the steady state, at the end
     data = {"benchmark": NAME, "machine": machine,
-            "config": {"label": label, "effectfx_path": str(Path(efx.__file__).parent),
-                       "effectfx_dirty": dirty, "quick": quick, "reps": cfg["reps"],
-                       "inductor_reps": cfg["inductor_reps"], "calls": cfg["calls"],
+            "config": {"label": label, **common.effectfx_source(), "effectfx_dirty": dirty, "quick": quick,
+                       "reps": cfg["reps"], "inductor_reps": cfg["inductor_reps"], "calls": cfg["calls"],
                        "check_steps": cfg["check_steps"], "budget_s": cfg["budget_s"],
                        "min_rounds": cfg["min_rounds"], "threads": threads, "systems_run": chosen,
                        "systems": {s: {"how": SYSTEMS[s][0], "logged": SYSTEMS[s][1], "label": LABELS[s]}
@@ -277,15 +255,6 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
     return data
 
 
-def _dirty() -> bool | None:
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--", "effectfx"], cwd=common.ROOT,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -298,22 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     common.add_run_arguments(parser)
     common.add_output_arguments(parser, NAME)
     args = parser.parse_args(argv)
-    if args.plot_only is not None:
-        return common.redraw(args.plot_only, (summarize, table, plot))
-    if args.child:
-        spec = json.loads(args.child)
+
+    def child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["mode"] == "first":
-            result = first_calls(spec["system"], spec["calls"], spec["size"], spec["threads"])
-        else:
-            result = steady_state(spec["systems"], spec["check_steps"], spec["size"], spec["threads"],
-                                  spec["budget_s"], spec["min_rounds"])
-        print(json.dumps(result, default=str))
-        return 0
-    systems = args.systems.split(",") if args.systems else None
-    data = run(args.quick, args.reps, args.inductor_reps, args.batch, systems, args.threads, args.budget,
-               not args.no_progress, args.label)
-    common.publish(data, common.output_dir(args.out, args.quick), NAME, (summarize, table, plot))
-    return 0
+            return first_calls(spec["system"], spec["calls"], spec["size"], spec["threads"])
+        return steady_state(spec["systems"], spec["check_steps"], spec["size"], spec["threads"],
+                            spec["budget_s"], spec["min_rounds"])
+
+    def measure() -> dict[str, Any]:
+        systems = args.systems.split(",") if args.systems else None
+        return run(args.quick, args.reps, args.inductor_reps, args.batch, systems, args.threads, args.budget,
+                   not args.no_progress, args.label)
+
+    return common.dispatch(args, NAME, (summarize, table, plot), measure, child)
 
 
 if __name__ == "__main__":

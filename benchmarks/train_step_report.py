@@ -1,27 +1,14 @@
-"""The summary, table and plot of ``benchmarks/train_step.py``'s results, with issue 27's targets."""
+"""The summary, table and plot of ``benchmarks/train_step.py``'s results, with its targets
+(benchmarks/README.md, "Compiled training step")."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common  # noqa: E402
-from benchmarks.common import median  # noqa: E402
-from benchmarks.train_step_systems import LABELS, STATE_KEYS, SYSTEMS, TARGETS, reference_of  # noqa: E402
-
-
-# -- the summary, the table, the figure ----------------------------------------------------------------------
-def _median_of(values: list[float | None]) -> float | None:
-    v = [x for x in values if x is not None]
-    return median(v) if v else None
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
+from benchmarks import common
+from benchmarks.common import fmt, median_or_none
+from benchmarks.train_step_systems import LABELS, STATE_KEYS, SYSTEMS, TARGETS, reference_of
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
@@ -37,14 +24,14 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         checks = [r["check"] for r in ok] + ([check] if check.get("steps") else [])
         steady_status = steady.get("status", {}).get(system)
         ncalls = data["config"]["calls"]
-        call = [{k: _median_of([r["calls"][i][k] for r in ok if len(r["calls"]) > i])
+        call = [{k: median_or_none([r["calls"][i][k] for r in ok if len(r["calls"]) > i])
                  for k in ("wall_s", "cpu_s")} for i in range(ncalls)]
         ref = reference_of(system)
         s: dict[str, Any] = {
             "label": LABELS[system], "reference": ref,
             "first_s": call[0]["wall_s"], "first_cpu_s": call[0]["cpu_s"],
             "calls_s": [c["wall_s"] for c in call], "calls_cpu_s": [c["cpu_s"] for c in call],
-            "warmup_s": _median_of([r.get("warmup_s") for r in ok]),
+            "warmup_s": median_or_none([r.get("warmup_s") for r in ok]),
             "captures": sorted({r["captures"] for r in ok}),
             "captures_per_call": sorted({tuple(c["captures"] for c in r["calls"]) for r in ok}),
             "captures_in_checks": check.get("captures_in_checks"),
@@ -68,11 +55,11 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "step_ms": step.get(system), "step_cpu_ms": step_cpu.get(system)}
         for other, key in ((ref, "eager"), ("efx_model", "efx_model"), ("tc_step", "tc")):
             mine = other != system
-            s[f"over_{key}"] = _div(step.get(system), step.get(other)) if mine else None
-            s[f"cpu_over_{key}"] = _div(step_cpu.get(system), step_cpu.get(other)) if mine else None
+            s[f"over_{key}"] = common.ratio(step.get(system), step.get(other)) if mine else None
+            s[f"cpu_over_{key}"] = common.ratio(step_cpu.get(system), step_cpu.get(other)) if mine else None
             s[f"paired_over_{key}"] = None if system == other else common.paired(samples.get(system),
                                                                                samples.get(other))
-        s["first_over_eager"] = _div(s["first_s"], _median_of(
+        s["first_over_eager"] = common.ratio(s["first_s"], median_or_none(
             [r["calls"][0]["wall_s"] for r in first.get(ref, []) if r.get("status") == "ok"]))
         out[system] = s
     targets: dict[str, Any] = {}
@@ -91,10 +78,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return {"systems": out, "targets": targets}
 
 
-def _f(v: float | None, unit: str = "", digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}{unit}"
-
-
 def _e(v: float | None) -> str:
     return "-" if v is None else f"{v:.1e}"
 
@@ -104,12 +87,12 @@ def table(data: dict[str, Any]) -> str:
     rows = []
     for system, s in summary.items():
         state = s["max_state_diff"] or {}
-        calls = " / ".join(_f(x, "", 3) for x in s["calls_s"][1:])
+        calls = " / ".join(fmt(x, "", 3) for x in s["calls_s"][1:])
         rows.append([
             system, ",".join(str(c) for c in s["captures"]) or "-",
-            f"{_f(s['first_s'], ' s')} / {_f(s['first_cpu_s'], ' s')}", calls,
-            f"{_f(s['step_ms'], '', 2)} / {_f(s['step_cpu_ms'], '', 2)}",
-            _f(s["over_eager"], "x"), _f(s["over_efx_model"], "x"), _f(s["over_tc"], "x"),
+            f"{fmt(s['first_s'], ' s')} / {fmt(s['first_cpu_s'], ' s')}", calls,
+            f"{fmt(s['step_ms'], '', 2)} / {fmt(s['step_cpu_ms'], '', 2)}",
+            fmt(s["over_eager"], "x"), fmt(s["over_efx_model"], "x"), fmt(s["over_tc"], "x"),
             ("same" if s["effects_equal_eager"] else "DIFFER")
             + f" ({'/'.join(map(str, s['effects_per_step']))})",
             _e(s["max_loss_diff"]), _e(s["max_param_diff"]),
@@ -127,18 +110,7 @@ def table(data: dict[str, Any]) -> str:
                                  "step ms wall / CPU", "/eager", "/efx_model", "/tc_step",
                                  "effects (per step)", "max |dloss|", "max |dparam|",
                                  "max |dstate| m / v / step", "failure"], rows)]
-    targets = data["summary"]["targets"]
-    if targets:
-        text += ["", "targets:"]
-        for name, t in targets.items():
-            value = t["value"]
-            if isinstance(value, float):
-                paired = t.get("paired") or {}
-                value = f"{value:.3f}x (CPU {_f(t['cpu'], 'x', 3)}" + (
-                    f"; per-round median {paired['median']:.3f}x, IQR {paired['q1']:.3f}-{paired['q3']:.3f}x)"
-                    if paired else ")")
-            text.append(f"  {name}: {t['target']}: {value} -> {'met' if t['met'] else 'NOT met'}")
-    return "\n".join(text)
+    return "\n".join(text + common.targets_lines(data["summary"]["targets"]))
 
 
 COLORS = {"eager": "C7", "efx_step": "C0", "efx_model": "C2", "efx_step_inductor": "C9", "tc_step": "C3"}

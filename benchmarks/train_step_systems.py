@@ -1,14 +1,15 @@
-"""The systems of ``benchmarks/train_step.py`` and the targets it checks (issue 27)."""
+"""The systems of ``benchmarks/train_step.py`` and the targets it checks (benchmarks/README.md, "Compiled
+training step")."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import effectfx as efx
+from benchmarks import common
 
 LR, CLIP = 1e-3, 1.0
 # system -> (how it runs, layers logged and effect ops in the step)
@@ -44,7 +45,8 @@ def uses_inductor(system: str) -> bool:
 
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, forward: Callable[..., Any],
               logged: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-    """The training step of issue 27 (without its two effect ops when not ``logged``)."""
+    """The training step measured: forward, backward, an effect, clipping, AdamW's step and ``zero_grad``,
+    a ``log_tensor`` of the loss (without its two effect ops when not ``logged``)."""
     if logged:
         def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
             loss = forward(**batch).loss
@@ -96,7 +98,7 @@ class System:
         if self.counted is not None:
             return int(self.counted.stats.compiles)
         if SYSTEMS[self.name][0] == "tc_step":
-            return dynamo_counts()["unique_graphs"]
+            return common.dynamo_counts()["unique_graphs"]
         return 0
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[float, list]:
@@ -105,14 +107,6 @@ class System:
         with recording() as log:
             loss = self.step(batch)
         return float(loss.detach()), list(log)
-
-
-def dynamo_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {"frames_ok": int(counters["frames"]["ok"]), "frames_total": int(counters["frames"]["total"]),
-            "unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 def batches(n: int, size: int) -> list[dict[str, torch.Tensor]]:
@@ -165,10 +159,3 @@ def run_steps(s: System, data: list[dict[str, torch.Tensor]]) -> tuple[list[floa
         losses.append(loss)
         logs.append(log)
     return losses, logs
-
-
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.logging.set_verbosity_error()

@@ -1,6 +1,6 @@
 """``common.paired`` (the per-round step ratios of every benchmark, with their interval) and
-``benchmarks/inductor_report.py``: the twins' noise floor that qualifies issue 26's step verdicts, and the
-report over the committed full run's JSON."""
+``benchmarks/inductor_report.py``: the twins' noise floor that qualifies the verdicts of the Inductor step
+targets (benchmarks/README.md, "Inductor backend"), and the report over the committed full run's JSON."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     _benchmarks_package()
     import torch
 
-    from benchmarks import common, first_call, runtime
+    from benchmarks import common, first_call, first_call_systems, runtime
 
     torch.set_num_threads(args.threads)
     out = common.output_dir(args.out, args.quick)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         total += runtime.steps_total(args.quick)
     progress = common.Progress(total, "effectfx bench", enabled=not args.no_progress)
 
-    common.warmup()
+    first_call_systems.warmup()
     progress.step("warm-up (imports, one tiny compile of each system)")
     written: list[Path] = []
     if "first_call" in selected:

@@ -4,6 +4,7 @@ block's name, then the block), marked per system, and eager's reference results.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,8 +115,20 @@ def batch(seed: int = 1, size: int = SIZE, batch_size: int = BATCH) -> tuple[tor
             torch.randint(0, LABELS_N, (batch_size,), generator=g))
 
 
+def train_call(f: Callable[..., Any], pixels: torch.Tensor,
+          labels: torch.Tensor) -> tuple[str, torch.Tensor | None, float]:
+    """One forward (with labels) and ``loss.backward()``; returns status, loss and the forward's seconds."""
+    start = time.perf_counter()
+    loss = f(pixel_values=pixels, labels=labels).loss
+    forward_s = time.perf_counter() - start
+    if loss.grad_fn is None:
+        return "loss has no grad_fn: backward impossible (forward time only)", loss, forward_s
+    loss.backward()
+    return "ok", loss, forward_s
+
+
 # -- comparing with eager --------------------------------------------------------------------------
-def _snapshot(model: nn.Module, loss: torch.Tensor | None, grads: bool) -> dict[str, Any]:
+def snapshot(model: nn.Module, loss: torch.Tensor | None, grads: bool) -> dict[str, Any]:
     return {
         "loss": None if loss is None else loss.detach().clone(),
         "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()} if grads
@@ -159,7 +172,7 @@ def references(steps: int) -> dict[str, Any]:
     model = make_model("eager")
     loss = model(pixel_values=pixels, labels=labels).loss
     loss.backward()
-    first = _snapshot(model, loss, grads=True)
+    first = snapshot(model, loss, grads=True)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.step()
     opt.zero_grad()
@@ -167,4 +180,4 @@ def references(steps: int) -> dict[str, Any]:
         model(pixel_values=pixels, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
-    return {"first": first, "warm": _snapshot(model, None, grads=False)}
+    return {"first": first, "warm": snapshot(model, None, grads=False)}
