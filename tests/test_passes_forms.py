@@ -8,9 +8,11 @@ import torch
 
 import effectfx as efx
 from effectfx import ops
+from effectfx.graph.traced import OutputKind
 from effectfx.graph.walk import subgraphs
 from effectfx.passes.dce import dead_code_elimination_pass
 from effectfx.passes.pipeline import run_passes
+from effectfx.program.records import Form
 from effectfx.testing import check_against_eager, recording
 
 
@@ -283,6 +285,19 @@ def test_debug_mode_verifies_after_each_pass(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(efx.VerificationError, match="after pass 'drop_first_effect'"):
         run_passes(prog, [drop_first_effect])
     run_passes(prog, [dead_code_elimination_pass])
+
+
+def test_forms_are_enums_named_by_their_strings() -> None:
+    """``Program.form`` is a ``Form`` that compares with, prints as and is given by its name (program text,
+    messages and saved files read as before); its output leaves' kinds are ``OutputKind``."""
+    prog = efx.capture(lambda x: (torch.ops.efxtest.bump(x, "k"), "tag"), torch.randn(3))
+    assert prog.form is Form.FUNCTIONALIZED and prog.form == "functionalized"
+    assert f"{prog.form}" == str(prog.form) == "functionalized"
+    assert str(prog).startswith("# effectfx <lambda>, functionalized form; made by: capture")
+    assert prog.replace(form="token-free").form is Form.TOKEN_FREE
+    kinds = [leaf.kind for leaf in prog.out_layout]
+    assert kinds == [OutputKind.TENSOR, OutputKind.CONST] == ["tensor", "const"]
+    assert efx.remove_effect_tokens(prog).form is Form.TOKEN_FREE
 
 
 def test_passes_reject_wrong_forms() -> None:

@@ -118,6 +118,28 @@ def test_load_refuses_unknown_targets(tmp_path) -> None:
         efx.load(tmp_path / "bad.zip")
 
 
+@pytest.mark.parametrize("field", ["form", "out_layout"])
+def test_load_refuses_unknown_kinds(tmp_path, field: str) -> None:
+    """The form and the output leaves' kinds are saved by name (``Form``, ``OutputKind``), as plain strings;
+    a name the enum lacks is refused."""
+    prog = efx.remove_effect_tokens(efx.capture(lambda x: (region(x), 3), torch.randn(3)))
+    prog.save(tmp_path / "p.zip")
+    with zipfile.ZipFile(tmp_path / "p.zip") as zf:
+        text, tensors = zf.read("program.json").decode(), zf.read("tensors.pt")
+    doc = json.loads(text)
+    assert doc["program"]["form"] == "token-free" and '"form": "token-free"' in text
+    assert [kind for kind, _ in doc["program"]["out_layout"]] == ["tensor", "const"]
+    if field == "form":
+        doc["program"]["form"] = "sideways"
+    else:
+        doc["program"]["out_layout"][1][0] = "sideways"
+    with zipfile.ZipFile(tmp_path / "bad.zip", "w") as zf:
+        zf.writestr("program.json", json.dumps(doc))
+        zf.writestr("tensors.pt", tensors)
+    with pytest.raises(SerializationError, match="unknown (Form|OutputKind) 'sideways'"):
+        efx.load(tmp_path / "bad.zip")
+
+
 def test_only_token_free_is_saved(tmp_path) -> None:
     with pytest.raises(SerializationError, match="remove_effect_tokens"):
         efx.capture(seed, torch.randn(3)).save(tmp_path / "p.zip")

@@ -43,6 +43,7 @@ from ..graph.build import Graph, graph_module
 from ..graph.symbols import SYM_TYPES, Sizes, expr_of
 from ..passes.direct_calls import DirectOpCodeGen
 from ..program.program import Program
+from ..program.records import Form
 from .inductor_segments import compiled_segment
 
 _RANDOM = torch.Tag.nondeterministic_seeded
@@ -260,7 +261,7 @@ def _free_symbols(node: fx.Node) -> set:
 
 def lower_to_inductor(prog: Program) -> Program:
     """Token-free -> token-free with compiled segments in every graph (module docstring)."""
-    if prog.form != "token-free":
+    if prog.form is not Form.TOKEN_FREE:
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")
     return prog.replace(graph_module=_Lowering(prog).graph(prog.graph_module, repr(prog.name), root=True))

@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..errors import CaptureError
 from ..graph.build import Graph, graph_module, node_name
 from ..graph.symbols import SYM_TYPES, MissingSize, Sizes
+from ..graph.traced import SourceKind
 
 # argument values FX writes into generated code as literals; anything else (a torchbind object, a
 # ProcessGroup, a Generator) would be written as its repr -- ``<torch.ScriptObject object at 0x..>``, a
@@ -131,9 +132,10 @@ class GraphBuilder:
         if i >= min(len(sources), len(values)):
             return f"the input {node.target!r}"
         source, value = sources[i], values[i]
-        if source.kind == "arg":
+        if source.kind is SourceKind.ARG:
             return f"the argument {node.target!r}"
-        name = source.name if source.kind == "module" else getattr(scope, "param_names", {}).get(id(value))
+        module = source.kind is SourceKind.MODULE
+        name = source.name if module else getattr(scope, "param_names", {}).get(id(value))
         if name is None:
             return f"the tensor {node.target!r} read from outside (a global or closed-over constant)"
         return f"the {'parameter' if isinstance(value, torch.nn.Parameter) else 'buffer'} {name!r}"

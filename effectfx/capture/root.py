@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UnsupportedMutationError
-from ..graph.traced import OperandSource, TracedGraph
+from ..graph.traced import OperandSource, SourceKind, TracedGraph
 from ..interposers.collectives import refuse_parallel_wrappers
 from ..interposers.training_step import TrainingStep, training_step
 from ..program.containers import register_tensor_holders
@@ -74,7 +74,7 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
             for i, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor):
                     fake = tracer.to_fake(leaf)
-                    scope.add_input(names[i], OperandSource("arg", i), fake)
+                    scope.add_input(names[i], OperandSource(SourceKind.ARG, i), fake)
                     new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
         with training_step(tracer, [owner, *leaves, *closure]) as step:  # Note [Training step]
@@ -84,7 +84,8 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
                                    written.positions)
         hook_guards = _hook_guards(owner, leaves, tracer.watcher.watched.values())
     _refuse_written_views(traced, leaves, names)
-    tensor_meta = tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta) if s.kind == "arg")
+    tensor_meta = tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta)
+                        if s.kind is SourceKind.ARG)
     signature = InputSignature(
         spec, tensor_meta,
         tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)),
@@ -120,7 +121,7 @@ def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> N
     other view sees the update, the graph's copy of it would not (Note [Mutations]), so refuse."""
     for j in traced.mutated:
         src = traced.sources[j]
-        if src.kind != "arg":
+        if src.kind is not SourceKind.ARG:
             continue
         written = leaves[src.index]
         memory = _memory(written)

@@ -24,7 +24,7 @@ from ..errors import (
     UnsupportedReturnError,
 )
 from ..graph.source import in_library, return_lines, trim_traceback, user_location
-from ..graph.traced import OperandSource, TensorMeta, TracedGraph
+from ..graph.traced import OperandSource, OutputKind, OutputLeaf, SourceKind, TensorMeta, TracedGraph
 from ..graph.walk import eliminate_dead_code
 from ..regions.label import raw
 from ..regions.labels import BodyLabels
@@ -100,15 +100,15 @@ class Scope:
         step = path[-1]
         node = self.builder.placeholder(placeholder_name(step if isinstance(step, str) else "label"), label)
         node.meta["val"] = raw(label)
-        self.sources.append(OperandSource("label", path=path))
+        self.sources.append(OperandSource(SourceKind.LABEL, path=path))
         self.values.append(label)
         self.nodes.append(node)
         return node
 
-    def finish_labels(self, graph: fx.Graph, layout: list[tuple[str, Any]]) -> None:
+    def finish_labels(self, graph: fx.Graph, layout: list[OutputLeaf]) -> None:
         if self.labels is None:
             return
-        for label in self.labels.finish(graph, [v for kind, v in layout if kind == "const"]):
+        for label in self.labels.finish(graph, [v for kind, v in layout if kind is OutputKind.CONST]):
             i = next(i for i, v in enumerate(self.values) if v is label)
             del self.values[i], self.sources[i], self.nodes[i]
             self.visible = {j - (j > i): t for j, t in self.visible.items()}
@@ -140,10 +140,10 @@ class Scope:
             return node
         where = self.module_params.get(id(real))
         if where is not None:
-            source = OperandSource("module", where[0], where[1])
+            source = OperandSource(SourceKind.MODULE, where[0], where[1])
             name = where[1]
         else:
-            source = OperandSource("lifted", tensor=real)
+            source = OperandSource(SourceKind.LIFTED, tensor=real)
             name = self.param_names.get(id(real), "lifted")
         node = self.builder.placeholder(placeholder_name(name), fake if fake is not None else real)
         self.real_nodes[id(real)] = node
@@ -161,16 +161,16 @@ def _requires_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[tuple[str, Any]], list[torch.Tensor]]:
+def _flatten_outputs(out: Any, where: str, fn: Any) -> tuple[Any, list[OutputLeaf], list[torch.Tensor]]:
     leaves, spec = tree_flatten(out)
-    layout: list[tuple[str, Any]] = []
+    layout: list[OutputLeaf] = []
     tensors: list[torch.Tensor] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            layout.append(("tensor", len(tensors)))
+            layout.append(OutputLeaf(OutputKind.TENSOR, len(tensors)))
             tensors.append(leaf)
         elif isinstance(leaf, PLAIN_LEAVES):
-            layout.append(("const", leaf))
+            layout.append(OutputLeaf(OutputKind.CONST, leaf))
         else:
             # a library's function (a transformers model's forward) returns through its decorators: point
             # at the user's call instead
@@ -278,7 +278,8 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
                 "captured function, or use tensor ops."
             ) from None  # the message quotes torch's
         spec, layout, tensors = _flatten_outputs(out, where, fn)
-        layout = [(kind, raw(v)) for kind, v in layout]  # a returned label is used; finish_labels sees it
+        # a returned label is used; finish_labels sees it
+        layout = [OutputLeaf(kind, raw(v)) for kind, v in layout]
         # inputs written in place: their new values follow the outputs (Note [Mutations])
         written = scope.written()
         tensors.extend(t for _, t in written)

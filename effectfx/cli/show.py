@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-FORMS = ("captured", "functionalized", "unlifted", "token-free")
+from effectfx.program.records import Form
+
+FORMS = tuple(form.value for form in Form)  # the names ``--form`` takes
 # The public pass that makes each later form from the functionalized one (added as they land).
-_FORM_PASSES = {"unlifted": "unlift_tokens", "token-free": "remove_effect_tokens"}
+_FORM_PASSES = {Form.UNLIFTED: "unlift_tokens", Form.TOKEN_FREE: "remove_effect_tokens"}
 
 
 class ShowError(Exception):
@@ -50,34 +52,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or a dict EXAMPLE_INPUTS = {'FUNC': (args...)} in the file (see `effectfx.cli.show`)."
     )
     parser.add_argument("target", metavar="FILE.py:FUNC", help="the file and the function in it to capture")
-    parser.add_argument("--form", choices=FORMS, default="functionalized",
+    parser.add_argument("--form", choices=FORMS, default=Form.FUNCTIONALIZED.value,
                         help="which form to print or draw (default: functionalized)")
     parser.add_argument("--html", metavar="OUT.html", default=None,
                         help="write a self-contained HTML page drawing the graphs instead of printing")
 
 
-def available_forms() -> dict[str, bool]:
+def available_forms() -> dict[Form, bool]:
+    """Per form (a key its name finds too), whether this effectfx makes it."""
     import effectfx as efx
 
     return {form: form not in _FORM_PASSES or callable(getattr(efx, _FORM_PASSES[form], None))
-            for form in FORMS}
+            for form in Form}
 
 
-def make_form(fn: Callable[..., Any], args: tuple, kwargs: dict, form: str) -> Any:
-    """Capture ``fn(*args, **kwargs)`` and return the Program (or TrainingProgram) in ``form``."""
+def make_form(fn: Callable[..., Any], args: tuple, kwargs: dict, form: str | Form) -> Any:
+    """Capture ``fn(*args, **kwargs)`` and return the Program (or TrainingProgram) in ``form`` (a
+    ``Form`` or its name)."""
     import effectfx as efx
     from effectfx.program.program import TrainingProgram
 
     if form not in FORMS:
         raise ShowError(f"unknown form {form!r}; choose one of {', '.join(FORMS)}.")
-    if form == "captured":
+    form = Form(form)
+    if form is Form.CAPTURED:
         return efx.capture(fn, *args, functionalize=False, **kwargs)
     pass_name = _FORM_PASSES.get(form)
     pass_ = getattr(efx, pass_name, None) if pass_name else None
     if pass_name and not callable(pass_):
         have = ", ".join(f for f, ok in available_forms().items() if ok)
-        raise ShowError(f"the {form!r} form needs efx.{pass_name}, which this effectfx does not provide "
-                        f"yet. Available forms: {have}.")
+        raise ShowError(f"the {form.value!r} form needs efx.{pass_name}, which this effectfx does not "
+                        f"provide yet. Available forms: {have}.")
     prog = efx.capture(fn, *args, **kwargs)
     if pass_ is None:
         return prog
@@ -164,7 +169,7 @@ def split_target(target: str) -> tuple[str, str]:
     return path, func
 
 
-def show(target: str, form: str = "functionalized", html: str | None = None) -> str:
+def show(target: str, form: str | Form = Form.FUNCTIONALIZED, html: str | None = None) -> str:
     """Do what ``effectfx show`` does; returns the text it prints."""
     path, func = split_target(target)
     module = load_file(path)

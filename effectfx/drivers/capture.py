@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import hops  # noqa: F401  (registers the capture rules of the higher-order ops)
 from ..capture.root import RootTrace, trace_root
 from ..capture.shapes import Dynamic, dynamic_dims
+from ..graph.traced import OutputKind, OutputLeaf, SourceKind
 from ..graph.walk import subgraphs
 from ..hops.region import call_region
 from ..interposers.profiler import profiled
@@ -76,7 +77,7 @@ def _backward(root: RootTrace, record: tuple, name: str, bodies: tuple) -> Progr
         traced.backward,
         InputSignature(tree_flatten([None] * (len(traced.saved_meta) + sum(traced.tangent_mask)))[1], (), ()),
         (), tree_flatten([None] * len(traced.grad_meta))[1],
-        tuple(("tensor", i) for i in range(len(traced.grad_meta))),
+        tuple(OutputLeaf(OutputKind.TENSOR, i) for i in range(len(traced.grad_meta))),
         regions=_regions_of(traced.backward, root.tracer), history=record, name=name, bodies=bodies,
     )
 
@@ -90,7 +91,7 @@ def _forward(root: RootTrace, record: tuple, name: str) -> Program:
                  cache.calls.get(b.identifier, 0), b.guards, cache.unpromotable.get(b.region.fn, ""))
         for b in cache.bodies()
     )
-    n_user = sum(1 for s in traced.sources if s.kind == "arg")
+    n_user = sum(1 for s in traced.sources if s.kind is SourceKind.ARG)
     lifted = tuple(s.tensor for s in traced.sources[n_user:])
     return Program(
         traced.forward, root.signature, lifted, traced.out_spec, tuple(traced.out_layout),

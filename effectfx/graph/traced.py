@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -84,22 +85,49 @@ def tangents_of(grads: tuple, mask: tuple[bool, ...]) -> list[torch.Tensor | Non
     return [g if g is None or g.is_contiguous() else g.contiguous() for g, m in zip(grads, mask) if m]
 
 
+class Kind(str, enum.Enum):
+    """A kind named by a string: it compares, hashes, prints and saves as its value, so program text,
+    saved files and messages read as with the plain string (what ``enum.StrEnum`` is, from Python 3.11)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class SourceKind(Kind):
+    """Where a graph input comes from: ``OperandSource.kind``."""
+
+    ARG = "arg"  # the tensor leaf ``index`` of the flattened (args, kwargs)
+    MODULE = "module"  # parameter/buffer ``name`` of the nn.Module at leaf ``index``
+    LIFTED = "lifted"  # the real ``tensor`` itself: a global, a closed-over constant, a root's parameter
+    LABEL = "label"  # the string found at ``path`` from the call site's arguments (effectfx.regions.reads)
+
+
 @dataclass(frozen=True)
 class OperandSource:
-    """Where a graph input comes from at a call site (Note [Region identity]).
+    """Where a graph input comes from at a call site (Note [Region identity]); ``kind`` says which of
+    the other fields locate it (``SourceKind``)."""
 
-    kind "arg": the tensor leaf ``index`` of the flattened (args, kwargs);
-    kind "module": parameter/buffer ``name`` of the nn.Module at leaf ``index``;
-    kind "lifted": the real tensor ``tensor`` itself (globals, closed-over constants, parameters read
-    from the root function);
-    kind "label": the string found at ``path`` from the call site's arguments (effectfx.regions.reads).
-    """
-
-    kind: str
+    kind: SourceKind
     index: int = -1
     name: str = ""
     tensor: Any = field(default=None, compare=False)
     path: tuple = ()
+
+
+class OutputKind(Kind):
+    """What a leaf of a traced graph's result is: ``OutputLeaf.kind``."""
+
+    TENSOR = "tensor"  # the graph's tensor output ``value`` (an index)
+    CONST = "const"  # the constant ``value`` itself, returned as traced
+
+
+class OutputLeaf(NamedTuple):
+    """One leaf of a traced graph's result, in the result's flattened order (``TracedGraph.out_layout``)."""
+
+    kind: OutputKind
+    value: Any
 
 
 @dataclass
@@ -117,7 +145,7 @@ class TracedGraph:
     sources: list[OperandSource]
     input_meta: list[TensorMeta]
     out_spec: TreeSpec
-    out_layout: list[tuple[str, Any]]  # per output leaf: ("tensor", k) or ("const", value)
+    out_layout: list[OutputLeaf]  # per output leaf: tensor output k, or a constant
     out_meta: list[TensorMeta]
     saved_meta: list[TensorMeta] = field(default_factory=list)
     saved_names: tuple[str, ...] = ()  # the saved values' node names: a partial backward's key to them

@@ -27,7 +27,7 @@ from ..capture.tracer import Tracer
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError, UnsupportedOperatorError
 from ..graph.source import definition, user_location
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
-from ..graph.traced import TensorMeta, TracedGraph, tangents_of
+from ..graph.traced import OutputKind, SourceKind, TensorMeta, TracedGraph, tangents_of
 from ..interposers.interpose import interpose
 from ..interposers.python_print import region_result_grad_fn
 from ..program.containers import value_at, write_into
@@ -178,11 +178,11 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     traced = body.traced
     operands: list[Any] = []
     for src in traced.sources:
-        if src.kind == "arg":
+        if src.kind is SourceKind.ARG:
             operands.append(leaves[src.index])
-        elif src.kind == "module":
+        elif src.kind is SourceKind.MODULE:
             operands.append(walks[src.index].tensors[src.name])
-        elif src.kind == "label":
+        elif src.kind is SourceKind.LABEL:
             operands.append(resolve(src.path, leaves))  # read through the caller: its reads see it
         else:
             operands.append(src.tensor)
@@ -197,7 +197,7 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
     # no_grad too, where a fresh result would wrongly stop requiring grad)
     for k, j in traced.passthrough().items():
         outs[k] = operands[j]
-    out_leaves = [outs[v] if kind == "tensor" else v for kind, v in traced.out_layout]
+    out_leaves = [outs[v] if kind is OutputKind.TENSOR else v for kind, v in traced.out_layout]
     result = out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
     if traced.written_args:  # the caller's containers take the states the body left them in
         result, states = result

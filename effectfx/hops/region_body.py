@@ -19,7 +19,15 @@ from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
 from ..errors import EffectfxError
 from ..graph.source import definition
-from ..graph.traced import OperandSource, TensorMeta, TracedGraph, mask_text, same_forward, saved_positions
+from ..graph.traced import (
+    OperandSource,
+    SourceKind,
+    TensorMeta,
+    TracedGraph,
+    mask_text,
+    same_forward,
+    saved_positions,
+)
 from ..regions.cache import PartialBackward, RegionBody
 from ..regions.decorator import Region
 from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
@@ -55,7 +63,7 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
                 nonleaf = not leaf.is_leaf
             leafness[i] = not nonleaf
             fake = tracer.new_fake(meta)
-            scope.add_input(names[i], OperandSource("arg", i), fake)
+            scope.add_input(names[i], OperandSource(SourceKind.ARG, i), fake)
             new_leaves[i] = scope.writable(fake, nonleaf=nonleaf)
         elif isinstance(leaf, str):  # a string argument: an operand while only effects use it
             new_leaves[i] = labels.make((("leaf", i),), raw(leaf), parent=leaf)

@@ -28,7 +28,7 @@ from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
 from ..errors import CaptureError, UnsupportedMutationError, UnsupportedOperatorError
 from ..graph.source import user_location
-from ..graph.traced import OperandSource, TensorMeta
+from ..graph.traced import OperandSource, SourceKind, TensorMeta
 from ..interposers.interpose import interpose, interposed
 from ..regions.decorator import active_tracer
 
@@ -70,7 +70,8 @@ def trace_subgraph(tracer: Tracer, fn: Any, operands: list[torch.Tensor], what: 
     fakes = []
     for i, t in enumerate(operands):
         fake = tracer.new_fake(TensorMeta.of(t))
-        scope.add_input(names[i] if names and i < len(names) else f"arg{i}", OperandSource("arg", i), fake)
+        name = names[i] if names and i < len(names) else f"arg{i}"
+        scope.add_input(name, OperandSource(SourceKind.ARG, i), fake)
         fakes.append(fake)
     tangent_fakes = []
     for j in range(tangents):

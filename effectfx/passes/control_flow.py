@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..graph.walk import control_flow_graphs, get_attr, set_attr
+from ..program.records import Form
 from .rewrite import GraphContext, Results, wrapped_results
 
 TOKEN_ARG = {op: ops.HOPS[op].token_arg for op in ops.CONTROL_FLOW}  # the table's, by target
@@ -33,9 +34,9 @@ def cf_target(node: fx.Node) -> Any:
     return target if target in TOKEN_ARG else None
 
 
-def subgraph_keys(gm: fx.GraphModule, form: str) -> tuple[str, ...]:
+def subgraph_keys(gm: fx.GraphModule, form: Form) -> tuple[str, ...]:
     """The token keys at a control-flow subgraph's boundary in ``form``."""
-    return tuple(gm.meta.get(META, ())) if form == "functionalized" else ()
+    return tuple(gm.meta.get(META, ())) if form is Form.FUNCTIONALIZED else ()
 
 
 def with_token_keys(gm: fx.GraphModule, keys: tuple[str, ...]) -> fx.GraphModule:
@@ -85,12 +86,12 @@ def thread(ctx: GraphContext, node: fx.Node, token: Any, thread_keys: Any) -> Re
     return Results(call, n_tokens=0, shift=-len(keys))
 
 
-def n_tokens(ctx: GraphContext, node: fx.Node, form: str, offset: int = 0) -> int:
+def n_tokens(ctx: GraphContext, node: fx.Node, form: Form, offset: int = 0) -> int:
     attrs = control_flow_graphs(node)
     return len(subgraph_keys(get_attr(ctx.old, attrs[0].target), form)) if attrs else 0
 
 
-def strip(ctx: GraphContext, node: fx.Node, form: str) -> tuple[Any, list, int]:
+def strip(ctx: GraphContext, node: fx.Node, form: Form) -> tuple[Any, list, int]:
     """(op, new args without the tokens, number of tokens) of a functionalized control-flow node."""
     n = n_tokens(ctx, node, form)
     args = list(node.args)
@@ -99,7 +100,7 @@ def strip(ctx: GraphContext, node: fx.Node, form: str) -> tuple[Any, list, int]:
     return tokens, args, n
 
 
-def remove(ctx: GraphContext, node: fx.Node, form: str) -> Results:
+def remove(ctx: GraphContext, node: fx.Node, form: Form) -> Results:
     """remove_effect_tokens' rule for a functionalized node: its tokens dropped, results shifted."""
     _, args, n = strip(ctx, node, form)
     call = ctx.graph.call_function(node.target, tuple(ctx.args(args, node)))
@@ -107,7 +108,7 @@ def remove(ctx: GraphContext, node: fx.Node, form: str) -> Results:
     return Results(call, n_tokens=n, shift=n)
 
 
-def unlift(ctx: GraphContext, node: fx.Node, form: str) -> Any:
+def unlift(ctx: GraphContext, node: fx.Node, form: Form) -> Any:
     """unlift_tokens' rule: ``with_effects(token(s), op, *args without tokens)``, as a region call is."""
     tokens, args, n = strip(ctx, node, form)
     if n == 0:
@@ -129,17 +130,17 @@ def verify_node(verifier: Any, check: Any, gm: fx.GraphModule, node: fx.Node, wr
     bodies = [get_attr(gm, a.target) for a in args if isinstance(a, fx.Node) and a.op == "get_attr"]
     keys = tuple(sorted(set().union(*(verifier.keys_of(b) for b in bodies))))
     for body in bodies:
-        if form == "functionalized" and subgraph_keys(body, form) != keys:
+        if form is Form.FUNCTIONALIZED and subgraph_keys(body, form) != keys:
             check.fail(node, f"a subgraph of this {target.__name__} takes tokens "
                              f"{list(subgraph_keys(body, form))} but its subgraphs perform {list(keys)}.",
                        "every subgraph of a control-flow op takes and returns the tokens of every key "
                        "any of them performs (Note [Control flow])")
-    if form == "functionalized" and not wrapped:
+    if form is Form.FUNCTIONALIZED and not wrapped:
         tokens = args[TOKEN_ARG[target]][: len(keys)]
         for j, (key, t) in enumerate(zip(keys, tokens)):
             check.consume(t, key, node)
             check.expect(node, j, key)
-    elif form == "unlifted" and keys and not wrapped:
+    elif form is Form.UNLIFTED and keys and not wrapped:
         check.fail(node, f"{target.__name__} has effects {list(keys)} but its call is not wrapped.",
                    "wrap it in with_effects, as an effectful region call is")
     where = f"a subgraph of {node.name} ({target.__name__})"
@@ -149,10 +150,10 @@ def verify_node(verifier: Any, check: Any, gm: fx.GraphModule, node: fx.Node, wr
     return keys
 
 
-def allowed_tokens(node: fx.Node, gm: fx.GraphModule, form: str) -> list:
+def allowed_tokens(node: fx.Node, gm: fx.GraphModule, form: Form) -> list:
     """The token operands a functionalized control-flow node may read (the verifier's ``uses``)."""
     attrs = control_flow_graphs(node)
-    if form != "functionalized" or not attrs or node.target is ops.with_effects:
+    if form is not Form.FUNCTIONALIZED or not attrs or node.target is ops.with_effects:
         return []
     n = len(subgraph_keys(get_attr(gm, attrs[0].target), form))
     return list(node.args[TOKEN_ARG[node.target]][:n])

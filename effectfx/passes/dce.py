@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from ..graph.walk import eliminate_dead_code
 from ..program.program import Program
+from ..program.records import Form
 from .pipeline import run_passes
 from .rewrite import GraphContext, GraphRewrite
 
@@ -19,7 +20,7 @@ from .rewrite import GraphContext, GraphRewrite
 class _CopyGraphs(GraphRewrite):
     """Every graph copied as is (same form, same tokens), then dead code removed from the copy."""
 
-    form_in = ("captured", "functionalized", "unlifted", "token-free")
+    form_in = (Form.CAPTURED, Form.FUNCTIONALIZED, Form.UNLIFTED, Form.TOKEN_FREE)
 
     def token_keys_out(self, ctx: GraphContext) -> tuple[str, ...]:
         return ctx.keys
@@ -34,7 +35,7 @@ def dead_code_elimination_pass(prog: Program) -> Program:
     effectful region call and token stays (the registry decides, via ``graph.walk.is_effectful``)."""
     rewrite = _CopyGraphs(prog.form)
     rewrite.form_out = prog.form
-    keys = tuple(prog.token_keys) if prog.form == "functionalized" else ()
+    keys = tuple(prog.token_keys) if prog.form is Form.FUNCTIONALIZED else ()
     return prog.replace(graph_module=rewrite.rebuild(prog.graph_module, keys))
 
 

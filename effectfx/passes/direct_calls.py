@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..program.program import Program
+from ..program.records import Form
 from .rewrite import EffectCodeGen, GraphRewrite
 
 _OP_CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")
@@ -51,8 +52,8 @@ class DirectOpCodeGen(EffectCodeGen):
 
 
 class DirectCalls(GraphRewrite):
-    form_in = ("token-free",)
-    form_out = "token-free"
+    form_in = (Form.TOKEN_FREE,)
+    form_out = Form.TOKEN_FREE
 
     def done(self, gm: fx.GraphModule) -> None:
         gm.graph.set_codegen(DirectOpCodeGen())

@@ -29,16 +29,17 @@ import torch.fx as fx
 
 from .. import ops
 from ..program.program import Program
+from ..program.records import Form
 from . import control_flow
 from .pipeline import run_passes
 from .rewrite import TOKEN, GraphContext, GraphRewrite, Results, boundary_keys, returns_single_value
 
 
 class RemoveTokens(GraphRewrite):
-    form_in = ("functionalized", "unlifted", "captured")
-    form_out = "token-free"
+    form_in = (Form.FUNCTIONALIZED, Form.UNLIFTED, Form.CAPTURED)
+    form_out = Form.TOKEN_FREE
 
-    def __init__(self, form: str) -> None:
+    def __init__(self, form: Form) -> None:
         super().__init__(form)
         self.rules = {
             ops.with_effects: self.with_effects,

@@ -22,6 +22,7 @@ from ..errors import EffectfxError
 from ..graph.build import Graph, graph_module
 from ..graph.walk import get_attr, set_attr
 from ..program.program import Program
+from ..program.records import Form
 
 
 class EffectCodeGen(fx.graph.CodeGen):
@@ -103,9 +104,9 @@ class GraphContext:
         return new
 
 
-def boundary_keys(gm: fx.GraphModule, form: str) -> tuple[str, ...]:
+def boundary_keys(gm: fx.GraphModule, form: Form) -> tuple[str, ...]:
     """The token keys a graph takes and returns (functionalized form only; Note [Effect tokens])."""
-    if form != "functionalized":
+    if form is not Form.FUNCTIONALIZED:
         return ()
     return tuple(gm.meta.get("effectfx_token_keys", ()))
 
@@ -114,10 +115,10 @@ class GraphRewrite:
     """Rebuild a Program's graphs, each body once.  Subclasses fill ``rules`` (target -> method) and may
     override ``begin`` (after placeholders) and ``finish`` (the output)."""
 
-    form_in: tuple[str, ...] = ()
-    form_out: str = ""
+    form_in: tuple[Form, ...] = ()
+    form_out: Form
 
-    def __init__(self, form: str) -> None:
+    def __init__(self, form: Form) -> None:
         self.form = form
         self.bodies: dict[int, fx.GraphModule] = {}
         self.rules: dict[Any, Callable[[GraphContext, fx.Node], Any]] = {}
@@ -130,7 +131,7 @@ class GraphRewrite:
                 f"{prog.name!r} is {prog.form}. Run the passes that lead there first (capture gives the "
                 "functionalized form)."
             )
-        keys = tuple(prog.token_keys) if self.form == "functionalized" else ()
+        keys = tuple(prog.token_keys) if self.form is Form.FUNCTIONALIZED else ()
         root = self.rebuild(prog.graph_module, keys)
         return prog.replace(graph_module=root, form=self.form_out, token_keys=())
 

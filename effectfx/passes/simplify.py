@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from ..graph.walk import get_attr, node_effect_keys
 from ..program.program import Program
+from ..program.records import Form
 from .dce import eliminate_dead_code
 from .direct_calls import DirectOpCodeGen
 from .rewrite import GraphRewrite
@@ -79,8 +80,8 @@ def _simplify(gm: fx.GraphModule) -> None:
 class _Copied(GraphRewrite):
     """Every graph copied (each body once), then simplified."""
 
-    form_in = ("token-free",)
-    form_out = "token-free"
+    form_in = (Form.TOKEN_FREE,)
+    form_out = Form.TOKEN_FREE
 
     def done(self, gm: fx.GraphModule) -> None:
         _simplify(gm)
@@ -105,7 +106,7 @@ def _simplify_all(gm: fx.GraphModule, seen: set[int]) -> None:
 def simplify_in_place(prog: Program) -> Program:
     """``simplify_for_runtime`` for a program nobody else holds (see the module docstring): the program it
     was given, its graphs simplified in place.  Contract: requires the token-free form."""
-    if prog.form != "token-free":
+    if prog.form is not Form.TOKEN_FREE:
         return simplify_for_runtime(prog)  # refuses the form, as the copying pass does
     _simplify_all(prog.graph_module, set())
-    return prog.replace(form="token-free", token_keys=())
+    return prog.replace(form=Form.TOKEN_FREE, token_keys=())

@@ -22,7 +22,7 @@ from .. import ops
 from ..effects import effect_of
 from ..graph.walk import get_attr, graph_effect_keys, subgraphs
 from ..program.program import Program
-from ..program.records import RegionEntry
+from ..program.records import Form, RegionEntry
 from ..regions.effects import check_body_effects, commit_body_effects
 from . import control_flow
 from .rewrite import GraphContext, GraphRewrite, Results, returns_single_value
@@ -31,11 +31,11 @@ from .rewrite import GraphContext, GraphRewrite, Results, returns_single_value
 class ThreadTokens(GraphRewrite):
     """The rules of :func:`thread_tokens` on the shared rebuild (``passes.rewrite``): each body once."""
 
-    form_in = ("captured",)
-    form_out = "functionalized"
+    form_in = (Form.CAPTURED,)
+    form_out = Form.FUNCTIONALIZED
 
     def __init__(self) -> None:
-        super().__init__("captured")
+        super().__init__(Form.CAPTURED)
         self.rules = {ops.invoke_subgraph: self.invoke_subgraph, operator.getitem: self.getitem}
         for op in ops.CONTROL_FLOW:  # Note [Control flow]
             self.rules[op] = lambda ctx, node: control_flow.thread(ctx, node, self.token, self._thread)
@@ -130,4 +130,4 @@ def discover_effects(prog: Program) -> Program:
     commit_body_effects(commits)
     regions = {ident: RegionEntry(e.name, e.traces, effects.get(ident, frozenset()))
                for ident, e in prog.regions.items()}
-    return prog.replace(form="token-free", regions=regions)
+    return prog.replace(form=Form.TOKEN_FREE, regions=regions)

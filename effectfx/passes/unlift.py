@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..program.program import Program
+from ..program.records import Form
 from . import control_flow
 from .pipeline import run_passes
 from .rewrite import GraphContext, GraphRewrite, boundary_keys, wrapped_results
@@ -44,10 +45,10 @@ def make_token_name(key: str, n_keys: int) -> str:
 
 
 class UnliftTokens(GraphRewrite):
-    form_in = ("functionalized", "unlifted")
-    form_out = "unlifted"
+    form_in = (Form.FUNCTIONALIZED, Form.UNLIFTED)
+    form_out = Form.UNLIFTED
 
-    def __init__(self, form: str) -> None:
+    def __init__(self, form: Form) -> None:
         super().__init__(form)
         self.rules = {ops.invoke_subgraph: self.invoke_subgraph, operator.getitem: self.getitem}
         for op in ops.CONTROL_FLOW:  # Note [Control flow]

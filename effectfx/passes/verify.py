@@ -29,6 +29,7 @@ from ..effects import effect_of
 from ..errors import VerificationError
 from ..graph.walk import control_flow_graphs, get_attr, region_call
 from ..program.program import Program, TrainingProgram
+from ..program.records import Form
 from . import control_flow
 from .rewrite import boundary_keys
 
@@ -168,7 +169,7 @@ class _Verifier:
     def program(self) -> None:
         root = self.prog.graph_module
         keys = tuple(self.prog.token_keys)
-        if self.form != "functionalized" and keys:
+        if self.form is not Form.FUNCTIONALIZED and keys:
             self.fail(root, "the root", None, f"a {self.form} program lists token keys {list(keys)}.",
                       "only the functionalized form has tokens at the root's boundary")
         self.graph(root, "the root graph", keys)
@@ -177,7 +178,7 @@ class _Verifier:
         self.done.add(id(gm))
         wanted = tuple(sorted(self.keys_of(gm)))
         # control flow: tokens of keys the subgraph does not perform pass through (Note [Control flow])
-        if subgraph and self.form in ("functionalized", "unlifted"):
+        if subgraph and self.form in (Form.FUNCTIONALIZED, Form.UNLIFTED):
             if not set(wanted) <= set(gm.meta.get(control_flow.META, ())):
                 _GraphCheck(self, gm, where, wanted).fail(
                     None, f"the subgraph performs {list(wanted)} but its boundary lists "
@@ -185,7 +186,7 @@ class _Verifier:
             wanted = tuple(gm.meta.get(control_flow.META, ()))
         check = _GraphCheck(self, gm, where, wanted)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if self.form == "functionalized":
+        if self.form is Form.FUNCTIONALIZED:
             if keys != wanted:
                 check.fail(placeholders[0] if placeholders else None,
                            f"the graph takes tokens for keys {list(keys)} but performs effects of keys "
@@ -204,11 +205,11 @@ class _Verifier:
             target = node.target
             if node.op != "call_function":
                 continue
-            if target in _TOKEN_OPS and self.form in ("token-free", "captured"):
+            if target in _TOKEN_OPS and self.form in (Form.TOKEN_FREE, Form.CAPTURED):
                 check.fail(node, f"{getattr(target, '__name__', target)} appears in the {self.form} form.",
                            "this form has no tokens: remove_effect_tokens must unwrap every effect")
             if target is ops.make_token:
-                if self.form != "unlifted":
+                if self.form is not Form.UNLIFTED:
                     check.fail(node, "make_token() outside the unlifted form.",
                                "tokens are placeholders here")
                 if made >= len(wanted):
@@ -226,15 +227,15 @@ class _Verifier:
                 self.invoke(check, gm, node, wrapped=False)
             elif target is operator.getitem:
                 check.getitem(node)
-            elif effect_of(target) is not None and self.form in ("functionalized", "unlifted"):
+            elif effect_of(target) is not None and self.form in (Form.FUNCTIONALIZED, Form.UNLIFTED):
                 check.fail(node, f"the effectful op {target} (key {effect_of(target)!r}) is not wrapped in "
                                  "with_effects, so nothing orders it.",
                            "every effectful op must be with_effects(token, op, *args) in this form")
-        if self.form == "unlifted" and made != len(wanted):
+        if self.form is Form.UNLIFTED and made != len(wanted):
             check.fail(None, f"{made} make_token() calls for keys {list(wanted)}.",
                        "make one token per key the graph uses")
         sunk = any(n.target is ops.sink_tokens for n in gm.graph.nodes)
-        if self.form == "unlifted" and wanted and not sunk:
+        if self.form is Form.UNLIFTED and wanted and not sunk:
             check.fail(None, "no sink_tokens([...]) keeps the final tokens alive.",
                        "end the graph with sink_tokens of the last token of every key")
 
@@ -243,7 +244,7 @@ class _Verifier:
         allowed: list[Any] = []
         if node.target is ops.with_effects and node.args:
             allowed = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
-        elif node.target is ops.invoke_subgraph and self.form == "functionalized":
+        elif node.target is ops.invoke_subgraph and self.form is Form.FUNCTIONALIZED:
             body = get_attr(check.gm, node.args[0].target)
             allowed = list(node.args[2:2 + len(boundary_keys(body, self.form))])
         elif node.target in (ops.sink_tokens, operator.getitem):
@@ -256,7 +257,7 @@ class _Verifier:
 
     def output(self, check: _GraphCheck, node: fx.Node) -> None:
         outs = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
-        n = len(check.keys) if self.form == "functionalized" else 0
+        n = len(check.keys) if self.form is Form.FUNCTIONALIZED else 0
         if n:
             check.finish(outs[:n], node, "the output")
         for out in outs[n:]:
@@ -265,7 +266,7 @@ class _Verifier:
 
     def control_flow(self, check: _GraphCheck, gm: fx.GraphModule, node: fx.Node) -> None:
         wrapped = node.target is ops.with_effects
-        if wrapped and self.form != "unlifted":
+        if wrapped and self.form is not Form.UNLIFTED:
             check.fail(node, "a wrapped control-flow call outside the unlifted form.",
                        "in the functionalized form control flow takes its tokens as operands")
         keys = control_flow.verify_node(self, check, gm, node, wrapped)
@@ -284,7 +285,7 @@ class _Verifier:
             check.fail(node, "with_effects without an op.", "write with_effects(token, op, *args)")
         token, op = node.args[0], node.args[1]
         if op is ops.invoke_subgraph:
-            if self.form != "unlifted":
+            if self.form is not Form.UNLIFTED:
                 check.fail(node, "a wrapped region call outside the unlifted form.",
                            "in the functionalized form a region takes its tokens as operands")
             keys = self.invoke(check, gm, node, wrapped=True)
@@ -324,7 +325,7 @@ class _Verifier:
                        "one identifier is one traced body (Note [Region identity])")
         keys = tuple(sorted(self.keys_of(body)))
         where = f"subgraph {attr.target} ({identifier!r})"
-        if self.form == "unlifted" and keys and not wrapped:
+        if self.form is Form.UNLIFTED and keys and not wrapped:
             check.fail(node, f"region {identifier!r} has effects {list(keys)} but its call is not wrapped.",
                        "wrap it: with_effects(token, invoke_subgraph, subgraph, identifier, *operands)")
         n = len(boundary_keys(body, self.form))
@@ -345,11 +346,11 @@ class _Verifier:
                 check.fail(user, f"getitem index {user.args[1]} but {where} gives {n_results} results.",
                            "shift getitem indices when tokens enter or leave a signature")
         if not wrapped:
-            if self.form == "functionalized":
+            if self.form is Form.FUNCTIONALIZED:
                 for j, (key, t) in enumerate(zip(keys, operands[:n])):
                     check.consume(t, key, node)
                     check.expect(node, j, key)
-            if self.form == "functionalized" and tuple(boundary_keys(body, self.form)) != keys:
+            if self.form is Form.FUNCTIONALIZED and tuple(boundary_keys(body, self.form)) != keys:
                 check.fail(node, f"{where} takes tokens {list(boundary_keys(body, self.form))} but performs "
                                  f"effects {list(keys)}.", "thread one token per key the region uses")
         if id(body) not in self.done:

@@ -20,11 +20,11 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 from .. import ops
 from ..errors import PartialBackwardError, SignatureMismatchError, UnsupportedMutationError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
-from ..graph.traced import TensorMeta, same_forward, saved_positions, tangents_of
+from ..graph.traced import OutputKind, OutputLeaf, TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.walk import subgraphs
 from . import serialize
 from .containers import onto_caller, same_objects, value_at, view_outputs, write_into, write_state
-from .records import BodyInfo, InputSignature, PassRecord, RegionEntry
+from .records import BodyInfo, Form, InputSignature, PassRecord, RegionEntry
 from .text import program_text
 
 
@@ -34,8 +34,8 @@ class Program:
     signature: InputSignature
     lifted: tuple[torch.Tensor, ...]  # real tensors read by identity, after the user's tensor inputs
     out_spec: TreeSpec
-    out_layout: tuple[tuple[str, Any], ...]
-    form: str = "captured"
+    out_layout: tuple[OutputLeaf, ...]
+    form: Form = Form.CAPTURED
     token_keys: tuple[str, ...] = ()  # tokens at the root's boundary (functionalized form only)
     regions: dict[str, RegionEntry] = field(default_factory=dict)
     history: tuple[PassRecord, ...] = ()
@@ -60,6 +60,11 @@ class Program:
     # set by the capture driver for a program with state_writes: efx.capture's program refuses otherwise)
     state_holds: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
     _views: list = field(default_factory=list, init=False, compare=False, repr=False)  # (view_outputs)
+
+    def __post_init__(self) -> None:  # a form, an output's kind, may be given by its name
+        layout = tuple(OutputLeaf(OutputKind(kind), v) for kind, v in self.out_layout)
+        object.__setattr__(self, "form", Form(self.form))
+        object.__setattr__(self, "out_layout", layout)
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -112,7 +117,7 @@ class Program:
         return [*self.signature.bind(args, kwargs, self.name), *self.lifted]
 
     def unflatten(self, tensor_outs: list[Any]) -> Any:
-        leaves = [tensor_outs[v] if kind == "tensor" else v for kind, v in self.out_layout]
+        leaves = [tensor_outs[v] if kind is OutputKind.TENSOR else v for kind, v in self.out_layout]
         return tree_unflatten(leaves, self.out_spec)
 
     def finish(self, result: Any, args: tuple, kwargs: dict) -> Any:
@@ -298,7 +303,7 @@ class TrainingProgram:
         return self.forward.graph_module
 
     @property
-    def form(self) -> str:
+    def form(self) -> Form:
         return self.forward.form
 
     @property

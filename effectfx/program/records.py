@@ -1,5 +1,5 @@
-"""The records a Program carries besides its graphs: its input signature, its region entries, how each
-body came to be (for ``efx.explain``) and the passes that made it."""
+"""The records a Program carries besides its graphs: its form, its input signature, its region entries,
+how each body came to be (for ``efx.explain``) and the passes that made it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..errors import SignatureMismatchError
 from ..graph.symbols import ShapeGuards
-from ..graph.traced import TensorMeta
+from ..graph.traced import Kind, TensorMeta
+
+
+class Form(Kind):
+    """How a Program's graphs order their effects (Note [Effect tokens]): ``Program.form``.  Passes go
+    captured -> functionalized -> unlifted -> token-free; a user may name a form by its value."""
+
+    CAPTURED = "captured"  # as traced: no tokens, node order only
+    FUNCTIONALIZED = "functionalized"  # tokens thread every effect and cross each graph's boundary
+    UNLIFTED = "unlifted"  # each graph makes and sinks its own tokens
+    TOKEN_FREE = "token-free"  # tokens dropped again: node order and the effectful nodes' impurity
 
 
 @dataclass(frozen=True)

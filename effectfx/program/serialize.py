@@ -59,8 +59,8 @@ from .. import ops
 from ..errors import EffectfxError
 from ..graph.build import Graph, graph_module
 from ..graph.symbols import SIZE_TARGETS, SYM_TYPES
-from ..graph.traced import TensorMeta
-from .records import InputSignature, PassRecord, RegionEntry
+from ..graph.traced import Kind, OutputKind, OutputLeaf, TensorMeta
+from .records import Form, InputSignature, PassRecord, RegionEntry
 
 FORMAT = "effectfx-program"
 VERSION = 1
@@ -101,7 +101,7 @@ class _Saver:
                 "objects after each run (Note [Training step]), which a file cannot hold. Save the model's "
                 "and the optimizer's state_dict() instead, and compile the step again after loading them."
             )
-        if prog.form != "token-free":
+        if prog.form is not Form.TOKEN_FREE:
             raise SerializationError(
                 f"{prog.name!r} is in the {prog.form} form; only the token-free form is saved. Run "
                 "efx.remove_effect_tokens(prog) first (or use a program from efx.compile)."
@@ -109,7 +109,7 @@ class _Saver:
         self.graphs = {}
         root = self.graph(prog.graph_module)
         return {
-            "name": prog.name, "form": prog.form, "n_extra_outputs": prog.n_extra_outputs,
+            "name": prog.name, "form": prog.form.value, "n_extra_outputs": prog.n_extra_outputs,
             "mutations": list(prog.mutations),
             "history": [[r.name, r.seconds] for r in prog.history],
             "signature": {
@@ -121,7 +121,7 @@ class _Saver:
                 "shape_guards": list(prog.signature.shape_guards),
             },
             "out_spec": _dumps_spec(prog.out_spec),
-            "out_layout": [[kind, _value(v)] for kind, v in prog.out_layout],
+            "out_layout": [[kind.value, _value(v)] for kind, v in prog.out_layout],
             "regions": {ident: {"name": e.name, "traces": e.traces,
                                 "effects": sorted(e.effects) if e.effects is not None else None}
                         for ident, e in prog.regions.items()},
@@ -255,6 +255,14 @@ def _dtype(name: str) -> torch.dtype:
     return value
 
 
+def _named(kind: type[Kind], name: str) -> Any:
+    """The member of a string-valued enum (a form, an output leaf's kind) the file names."""
+    try:
+        return kind(name)
+    except ValueError:
+        raise SerializationError(f"unknown {kind.__name__} {name!r} in the file.") from None
+
+
 def _load_value(v: Any, env: dict[str, fx.Node]) -> Any:
     if isinstance(v, list):
         return [_load_value(x, env) for x in v]
@@ -348,7 +356,9 @@ class _Loader:
         return dict(
             graph_module=self.graph(p["root"]), signature=signature,
             lifted=tuple(self.tensors[n] for n in p["lifted"]), out_spec=treespec_loads(p["out_spec"]),
-            out_layout=tuple((k, _load_value(v, {})) for k, v in p["out_layout"]), form=p["form"],
+            out_layout=tuple(OutputLeaf(_named(OutputKind, kind), _load_value(v, {}))
+                             for kind, v in p["out_layout"]),
+            form=_named(Form, p["form"]),
             token_keys=(),
             regions={ident: RegionEntry(r["name"], r["traces"],
                                         frozenset(r["effects"]) if r["effects"] is not None else None)

@@ -30,6 +30,7 @@ import torch.fx as fx
 from .. import ops
 from ..effects import effect_of
 from ..graph.walk import region_call
+from ..program.records import Form
 from ..program.text import graph_code, program_text
 
 # Distinct, readable on white; assigned to effect keys in sorted order.
@@ -91,7 +92,7 @@ class _GraphDescriber:
         self.prog = prog
         self.index = index
         self.out = out  # graph id -> description (shared across programs)
-        self.form = getattr(prog, "form", "captured")
+        self.form = getattr(prog, "form", Form.CAPTURED)
         self.regions = getattr(prog, "regions", {}) or {}
         self.seen: dict[int, str] = {}
         self.out_tokens: dict[fx.Node, list[str | None]] = {}  # node -> keys of its leading token results
@@ -104,7 +105,7 @@ class _GraphDescriber:
         keys = gm.meta.get("effectfx_token_keys")
         if keys is not None:
             return list(keys)
-        if self.form != "functionalized":
+        if self.form is not Form.FUNCTIONALIZED:
             return None
         if identifier is None:
             return list(getattr(self.prog, "token_keys", ()))
@@ -335,7 +336,7 @@ def program_json(prog: Any, title: str | None = None) -> dict[str, Any]:
         root = describer.describe(p.graph_module, "forward", None, root_keys)
         programs.append({
             "name": getattr(p, "name", "program"),
-            "form": getattr(p, "form", "captured"),
+            "form": str(getattr(p, "form", Form.CAPTURED)),  # (the JSON holds its name)
             "token_keys": list(getattr(p, "token_keys", ())),
             "history": [[r.name, r.seconds] for r in getattr(p, "history", ())],
             "root": root,
