@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import ops
 from ..graph.meta import TensorMeta
-from ..regions.identity import leaf_of_key
-from ..regions.label import raw
+from ..guards.identity import leaf_of_key
+from ..guards.labels import raw
 from .tracer import Tracer
 
 

@@ -54,7 +54,7 @@ from ..errors import (
     UnsupportedOperatorError,
 )
 from ..graph.source import user_frame, user_location
-from ..regions.label import Label, raw
+from ..guards.labels import Label, raw
 from .arguments import map_structure
 from .kernel_effects import frame_effect, kernel_frames
 from .python_print import silenced

@@ -18,11 +18,12 @@ from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationErro
 from ..graph.meta import TensorMeta, TracedGraph, tangents_of
 from ..graph.source import definition, user_location
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
+from ..guards.check import resolve
+from ..guards.identity import ModuleWalk, ambient_context, call_key
+from ..guards.labels import raw
 from ..program.containers import value_at, write_into
 from ..regions.cache import RegionBody
 from ..regions.decorator import Region
-from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
-from ..regions.label import raw
 from ..regions.promotion import promoted_key, refusal_before_trace
 from .arguments import flatten_call
 from .call_site import CallSite, emit_invoke, operand_node

@@ -23,9 +23,9 @@ from ..effects import effect_of
 from ..errors import DataDependentControlFlowError, EffectfxError, UnsupportedMutationError
 from ..graph.meta import TensorMeta
 from ..graph.source import user_location
+from ..guards.labels import LabelMode, has_sentinel, resolve_labels
+from ..guards.reads import Watcher
 from ..regions.cache import RegionCache
-from ..regions.labels import LabelMode, has_sentinel, resolve_labels
-from ..regions.reads import Watcher
 from .arguments import map_structure
 from .collectives import COLLECTIVE_NAMESPACES, record_collective
 from .composite import CompositeEffects

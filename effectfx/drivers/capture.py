@@ -26,16 +26,17 @@ from ..capture.training_step import training_step
 from ..errors import UnsupportedMutationError
 from ..graph.meta import OperandSource
 from ..graph.walk import subgraphs
+from ..guards.check import GuardChecker
+from ..guards.hooks import GLOBAL
+from ..guards.identity import ambient_context, code_reads
+from ..guards.kinds import Guard, Hooks
+from ..guards.reads import Reads, recording, report_read
 from ..passes.pipeline import run_passes
 from ..passes.thread_tokens import thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry, alias_pattern
 from ..regions import decorator as _regions
-from ..regions import hooks
-from ..regions.guard_code import GuardChecker
-from ..regions.identity import ambient_context, code_reads
-from ..regions.reads import Reads, recording, report_read
 
 
 @contextlib.contextmanager
@@ -144,7 +145,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
         regions=_regions_of(traced.forward, tracer), history=record,
         n_extra_outputs=len(traced.saved_meta), name=f"{name} (forward)" if traced.backward else name,
         bodies=bodies, mutations=traced.mutated,
-        guards=(*[g for g in reads.guards.items() if not step.replaces(g[0])], *hook_guards, *step.guards),
+        guards=(*[g for g in reads.guards.values() if not step.replaces(g.path)], *hook_guards, *step.guards),
         lifted_from=tuple(reads.tensor_sources.get(id(t)) for t in lifted),
         specialized=tuple(tracer.specialized), written_args=written.positions,
         state_writes=tuple(step.targets),
@@ -179,7 +180,7 @@ def trace_program(fn: Callable[..., Any], args: tuple, kwargs: dict,
                            traced.covered_by)
 
 
-def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:
+def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[Guard]:
     """Guards on the hooks of every module the program may run -- the compiled module's, the modules it
     is passed, those its code read (watched), with all their submodules -- and on torch's global module
     hooks: a hook registered or removed on any of them captures anew (Note [Region identity])."""
@@ -189,7 +190,7 @@ def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:
         if isinstance(root, torch.nn.Module) and id(root) not in modules:
             for sub in root.modules():
                 modules.setdefault(id(sub), sub)
-    return [hooks.guard(m) for m in (*modules.values(), hooks.GLOBAL)]
+    return [Hooks.on(m) for m in (*modules.values(), GLOBAL)]
 
 
 def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> None:

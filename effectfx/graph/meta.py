@@ -92,7 +92,7 @@ class OperandSource:
     kind "module": parameter/buffer ``name`` of the nn.Module at leaf ``index``;
     kind "lifted": the real tensor ``tensor`` itself (globals, closed-over constants, parameters read
     from the root function);
-    kind "label": the string found at ``path`` from the call site's arguments (effectfx.regions.reads).
+    kind "label": the string found at ``path`` from the call site's arguments (effectfx.guards.reads).
     """
 
     kind: str
