@@ -26,11 +26,12 @@ captured form already is token-free, which is why efx.compile goes there directl
 Note [Region identity]
 ~~~~~~~~~~~~~~~~~~~~~~
 A region (``@effectfx.region``) is traced once per *identity* and then called through
-``invoke_subgraph(subgraph, identifier, *operands)``.  The code is the package ``effectfx.regions``: the
-key and the guards (``identity``), promotion (``promotion``), what a trace reads (``reads``), labels
-(``labels``), the region cache of one capture (``cache``), the effects known per body across captures
-(``effects``) and the words ``efx.explain`` and ``efx.compile`` use for all of them (``words``); a call
-site during capture is ``effectfx.hops.region``.  Identity has two halves:
+``invoke_subgraph(subgraph, identifier, *operands)``.  The code is the package ``effectfx.regions``:
+promotion (``promotion``), the region cache of one capture (``cache``), the effects known per body across
+captures (``effects``); and the package ``effectfx.guards``, which guards every compiled program too: the
+key (``identity``), what a trace reads (``reads``), labels (``labels``), the guard kinds (``kinds``) and
+their one evaluator (``check``), and the words ``efx.explain`` and ``efx.compile`` use for all of them
+(``words``); a call site during capture is ``effectfx.hops.region``.  Identity has two halves:
 
   * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
     enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,
@@ -40,9 +41,9 @@ site during capture is ``effectfx.hops.region``.  Identity has two halves:
     not their attributes;
   * the *guards* -- what the body's trace read, and only that.  During a capture every object reached
     from a body's arguments (modules, submodules, config objects at any depth) is *watched*
-    (``effectfx.regions.reads``: its class is swapped for a recording subclass, on the capturing thread,
-    until the capture ends), and each attribute read becomes ``path -> expectation``: a value for plain
-    data (``self.config.use_gate == True``), a class for objects, absence for a failed ``getattr``.
+    (``effectfx.guards.reads``: its class is swapped for a recording subclass, on the capturing thread,
+    until the capture ends), and each attribute read becomes a guard on the value at its path: a value
+    for plain data (``self.config.use_gate == True``), a class for objects, absence for a failed ``getattr``.
     Closure cells and the globals a body's code names are guarded the same way.  An attribute no trace
     reads (``layer_idx`` of a layer that never looks at it) never splits bodies.
 

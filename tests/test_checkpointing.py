@@ -2,7 +2,7 @@
 included, saves what eager saves, and a label the recompute passes to an effect again stays an operand
 (one body for every layer).  transformers' ``gradient_checkpointing_enable`` wraps a layer's ``forward``
 in ``__init_subclass__``: the recording subclass a capture watches a module through must not wrap it again
-(``effectfx.regions.reads``)."""
+(``effectfx.guards.reads``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""A compiled program's guards as generated code (``effectfx.regions.guard_code``): the same verdict as
-``object_guards_hold`` on every state -- a real model's guards under changes that break each kind of guard,
-and generated guards over generated objects (hypothesis)."""
+"""A compiled program's guards as a C++ tree and generated code (``effectfx.guards.check``): the same
+verdict as the interpretation (``guards_hold``) on every state -- each guard kind, a real model's guards
+under changes that break each kind of guard, and generated guards over generated objects (hypothesis)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,25 @@ from hypothesis import strategies as st
 
 import effectfx as efx
 import effectfx.testing  # noqa: F401  (registers the efxtest:: ops)
-from effectfx.regions.guard_code import GuardChecker
-from effectfx.regions.identity import object_guards, object_guards_hold
-from effectfx.regions.reads import MISSING, Ref, expectation
+from effectfx.guards import kinds
+from effectfx.guards.check import GuardChecker, failed_guards, guards_hold
+from effectfx.guards.hooks import GLOBAL
+from effectfx.guards.kinds import Absent, Equals, Guard, Hooks, IsStr, OfType, SameObject, guard_on
+from effectfx.guards.values import MISSING, Ref
 from effectfx.testing import hf
 
 
 def _ready(guards: tuple) -> GuardChecker:
-    """A checker past its first two calls (which run the loop): the third made its C++ tree and code, as
-    a program's checker is made while its guards hold."""
+    """A checker past its first two calls (which interpret): the third made its C++ tree and code, as a
+    program's checker is made while its guards hold."""
     check = GuardChecker(guards)
     assert [check() for _ in range(3)] == [True] * 3 and check.run is not None
     return check
 
 
 def _both(check: GuardChecker) -> tuple[bool, bool]:
-    """The checker's verdict now and the loop's."""
-    return check(), object_guards_hold(*check.split)
+    """The checker's verdict now and the interpretation's."""
+    return check(), guards_hold(check.guards)
 
 
 CHANGES: dict[str, Callable[[torch.nn.Module], None]] = {
@@ -113,14 +115,14 @@ def _read(obj: Any, path: tuple[str, ...]) -> Any:
 def test_generated_guards_agree_with_the_loop(root: Obj, paths: list[list[str]],
                                               changes: list[tuple[list[str], Any]]) -> None:
     """Generated guards of generated objects, dicts and modules, then changes (a value set, a field
-    removed, a submodule replaced): the tree and code say what the loop says."""
+    removed, a submodule replaced): the tree and code say what the interpretation says."""
     guards = []
     for path in paths:  # what a capture would have recorded of the tree as it is
         value = _read(root, tuple(path))
         steps = tuple(_step(_read(root, tuple(path[:k])), name) for k, name in enumerate(path))
         plain = not isinstance(value, (Obj, dict, Mod))
-        expect = expectation(value, structural=False) if plain else ("is", Ref(value))
-        guards.append(((("id", Ref(root)), *steps), expect))
+        at = (("id", Ref(root)), *steps)
+        guards.append(guard_on(at, value, structural=False) if plain else SameObject(at, Ref(value)))
     check = _ready(tuple(guards))
     for path, value in changes:  # then the tree changes
         owner = _read(root, tuple(path[:-1]))
@@ -159,32 +161,33 @@ class Block(torch.nn.Module):
 def test_golden_generated_guards_read_each_prefix_once() -> None:
     """A value, an object by identity, a value and a tuple through it, a submodule (read from its module's
     ``_modules``) and a value of it: one C++ accessor per prefix (``root.cfg`` serves the three guards
-    below it); an attribute found missing is Python code.  The first two calls run the loop."""
+    below it); an attribute found missing is Python code.  The first two calls interpret."""
     inner = Obj(flag=True, shape=(2, 3))
     block = Block()
     root = Obj(cfg=inner, n=4, block=block)
-    guards = (((("id", Ref(root)), "n"), ("=", int, 4)),
-              ((("id", Ref(root)), "cfg"), ("is", Ref(inner))),
-              ((("id", Ref(root)), "cfg", "flag"), ("=", bool, True)),
-              ((("id", Ref(root)), "cfg", "shape"), ("=", tuple, (2, 3))),
-              ((("id", Ref(root)), "cfg", "gone"), ("missing",)),
-              ((("id", Ref(root)), "block"), ("is", Ref(block))),
-              ((("id", Ref(root)), "block", "lin"), ("is", Ref(block.lin))),
-              ((("id", Ref(root)), "block", "lin", "in_features"), ("=", int, 2)))
+    at = ("id", Ref(root))
+    guards = (Equals((at, "n"), int, 4),
+              SameObject((at, "cfg"), Ref(inner)),
+              Equals((at, "cfg", "flag"), bool, True),
+              Equals((at, "cfg", "shape"), tuple, (2, 3)),
+              Absent((at, "cfg", "gone")),
+              SameObject((at, "block"), Ref(block)),
+              SameObject((at, "block", "lin"), Ref(block.lin)),
+              Equals((at, "block", "lin", "in_features"), int, 2))
     check = GuardChecker(guards)
     assert check() and check() and check.run is None
     assert check() and check.run.source.strip() == GOLDEN.strip()
     for undo in (lambda: setattr(inner, "flag", False), lambda: setattr(block, "lin", torch.nn.Linear(2, 2)),
                  lambda: setattr(inner, "gone", 1), lambda: setattr(inner, "shape", [2, 3])):
         undo()
-        assert not check() and not object_guards_hold(*object_guards(guards))
+        assert not check() and not guards_hold(guards)
 
 
 def test_a_checker_made_while_its_guards_fail_still_fails() -> None:
     """The third call makes the C++ tree; made while a dict item differs (an optimizer's ``lr`` changed
     since the capture), torch's dict accessor would take the unchanged dict for a holding guard."""
     group = {"lr": 0.1}
-    check = GuardChecker((((("id", Ref(group)), ("item", "lr")), ("=", float, 0.1)),))
+    check = GuardChecker((Equals((("id", Ref(group)), ("item", "lr")), float, 0.1),))
     assert check() and check()
     group["lr"] = 0.05
     assert not check() and check.run is None and not check()
@@ -194,3 +197,98 @@ def test_a_checker_made_while_its_guards_fail_still_fails() -> None:
     assert not check()
     group["lr"] = 0.1
     assert check()
+
+
+class Scaler:
+    """A callable object: its reads cannot be watched, so a guard holds its state."""
+
+    def __init__(self) -> None:
+        self.scale = 1
+
+    def __call__(self, x: Any) -> Any:
+        return x * self.scale
+
+
+def _hooked() -> tuple[Guard, Callable[[], None]]:
+    lin = torch.nn.Linear(2, 2)
+    handle = lin.register_forward_hook(lambda *a: None)
+    return Hooks.on(lin), handle.remove
+
+
+def _kind_case(make: Callable[[Any], Guard], change: Callable[[Any], None], **fields: Any
+               ) -> Callable[[], tuple[Guard, Callable[[], None]]]:
+    def case() -> tuple[Guard, Callable[[], None]]:
+        root = Obj(**fields)
+        return make(root), lambda: change(root)
+    return case
+
+
+def _at(root: Any, *steps: Any) -> tuple:
+    return (("id", Ref(root)), *steps)
+
+
+# per guard kind: (the guard on an object as it is, a change that breaks it), what it says it expects and
+# what it says of the value after the change, and where a compiled checker checks it
+KIND_CASES: dict[str, tuple[Callable[[], tuple[Guard, Callable[[], None]]], str, str, str]] = {
+    "Equals": (_kind_case(lambda r: Equals(_at(r, "flag"), bool, True), lambda r: setattr(r, "flag", False),
+                          flag=True), "True", "False", "tree"),
+    "Equals, frozen": (_kind_case(lambda r: guard_on(_at(r, "sizes"), r.sizes, structural=False),
+                                  lambda r: r.sizes.append(3), sizes=[1, 2]),
+                       "('list', (1, 2))", "a list", "interpreted"),
+    "SameObject": (_kind_case(lambda r: SameObject(_at(r, "cfg"), Ref(r.cfg)),
+                              lambda r: setattr(r, "cfg", Obj()), cfg=Obj()),
+                   "that Obj object", "a Obj", "tree"),
+    "OfType": (_kind_case(lambda r: OfType(_at(r, "cfg"), Obj), lambda r: setattr(r, "cfg", Mod()),
+                          cfg=Obj()), "a Obj", "a Mod", "interpreted"),
+    "ObjectState": (_kind_case(lambda r: guard_on(_at(r, "fn"), r.fn, structural=False),
+                               lambda r: setattr(r.fn, "scale", 2), fn=Scaler()),
+                    "that Scaler object in that state", "a Scaler", "code"),
+    "IsStr": (_kind_case(lambda r: IsStr(_at(r, "name")), lambda r: setattr(r, "name", 1), name="a"),
+              "a str (an operand)", "1", "interpreted"),
+    "Absent": (_kind_case(lambda r: Absent(_at(r, "gone")), lambda r: setattr(r, "gone", 1)),
+               "<missing>", "1", "code"),
+    "Hooks": (_hooked, "1 hook", "0 hooks", "code"),
+    "Hooks, none": (lambda: (lambda lin: (Hooks.on(lin), lambda: lin.register_forward_pre_hook(print)))(
+        torch.nn.Linear(2, 2)), "0 hooks", "1 hook", "code"),
+    "Hooks, global": (lambda: (Hooks.on(GLOBAL), lambda: _GLOBAL_HOOKS.append(
+        torch.nn.modules.module.register_module_forward_hook(lambda *a: None))), "0 hooks", "1 hook", "code"),
+}
+_GLOBAL_HOOKS: list[Any] = []
+
+
+def test_every_guard_kind_has_a_case() -> None:
+    """Adding a guard kind is its class and its case here."""
+    every = {c for c in vars(kinds).values() if isinstance(c, type) and issubclass(c, Guard)} - {Guard}
+    assert every == {type(case()[0]) for case, *_ in KIND_CASES.values()}
+
+
+@pytest.mark.parametrize("name", sorted(KIND_CASES))
+def test_each_guard_kind_holds_fails_and_says_so(name: str) -> None:
+    """Each kind holds on the state it was made of, then fails after the change: compiled (in the C++ tree,
+    the generated code or by interpretation, as it says) and interpreted alike; ``efx.compile``'s words."""
+    make, expected, found, where = KIND_CASES[name]
+    guard, change = make()
+    check = _ready((guard,))
+    code = check.run.source.split("# then\n")[1]
+    assert {"tree": code == "def check():\n    return True\n", "interpreted": "_then()" in code,
+            "code": "return False" in code and "_then" not in code}[where], check.run.source
+    try:
+        change()
+        assert _both(check) == (False, False)
+        ((failed, now),) = failed_guards((guard,))
+        assert failed is guard and (guard.describe(), guard.found_text(now)) == (expected, found)
+    finally:
+        while _GLOBAL_HOOKS:
+            _GLOBAL_HOOKS.pop().remove()
+
+
+def test_guards_are_equal_by_kind_and_value_and_objects_by_identity() -> None:
+    """Guards are parts of a body's cache key: equal guards hash alike; a Ref compares by identity."""
+    a, b = Obj(x=1), Obj(x=1)
+    at = _at(a, "x")
+    assert Equals(at, int, 1) == Equals(at, int, 1) and hash(Equals(at, int, 1)) == hash(Equals(at, int, 1))
+    assert Equals(at, int, 1) != Equals(at, bool, True) and IsStr(at) != Absent(at)
+    assert SameObject(at, Ref(a)) == SameObject(at, Ref(a))
+    assert SameObject(at, Ref(a)) != SameObject(at, Ref(b))
+    assert Equals(at, int, 1) != Equals(_at(b, "x"), int, 1)
+    assert guard_on(at, MISSING, structural=False) == Absent(at)

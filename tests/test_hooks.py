@@ -1,4 +1,4 @@
-"""Module hooks are part of what a body does (Note [Region identity], ``effectfx.regions.hooks``): each call
+"""Module hooks are part of what a body does (Note [Region identity], ``effectfx.guards.hooks``): each call
 site runs its own hooks, a body is shared only by call sites whose hooks do the same, and a hook registered
 or removed after a compiled call is seen.  Also: a tensor attribute replaced on an object the compiled code
 reaches through a closure or a global is read anew."""

@@ -17,6 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("effectfx.ops",),
     ("effectfx.effects",),
     ("effectfx.graph",),
+    ("effectfx.guards",),
     ("effectfx.program", "effectfx.regions", "effectfx.autograd"),
     ("effectfx.interposers",),
     ("effectfx.capture", "effectfx.passes"),
@@ -135,4 +136,4 @@ def test_an_import_inside_a_function_counts() -> None:
     lazy = "\n\ndef f():\n    from ..passes.dce import dead_code_elimination\n"
     targets = imports_of("effectfx.graph.walk", MODULES["effectfx.graph.walk"].read_text() + lazy)
     assert "effectfx.passes.dce" in targets
-    assert upward("effectfx.graph.walk", targets) == ["effectfx.passes.dce (layer 6, effectfx.passes)"]
+    assert upward("effectfx.graph.walk", targets) == ["effectfx.passes.dce (layer 7, effectfx.passes)"]

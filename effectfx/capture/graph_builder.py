@@ -50,7 +50,7 @@ class GraphBuilder:
     graphs are unknown here and must be lifted (Note [Region identity]).  ``lift`` is asked for a node
     when an unknown tensor shows up, and raises if the tensor may not be lifted.  ``lift_real`` makes the
     input of a real tensor read by identity (a module's parameter a call site passes), and ``labels`` are
-    a region body's labels (``effectfx.regions.labels.BodyLabels``; None for graphs that bake every string
+    a region body's labels (``effectfx.guards.labels.BodyLabels``; None for graphs that bake every string
     in): both given by the graph's scope (``effectfx.capture.trace.Scope``).
     """
 

@@ -14,13 +14,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UnsupportedMutationError
 from ..graph.traced import OperandSource, SourceKind, TracedGraph
+from ..guards.hooks import GLOBAL
+from ..guards.identity import code_reads
+from ..guards.kinds import Guard, Hooks
+from ..guards.reads import Reads, recording, report_read
 from ..interposers.collectives import refuse_parallel_wrappers
 from ..interposers.training_step import TrainingStep, training_step
 from ..program.containers import register_tensor_holders
 from ..program.records import InputSignature, alias_pattern
-from ..regions import hooks
-from ..regions.identity import code_reads
-from ..regions.reads import Reads, recording, report_read
 from .arguments import check_containers_unchanged, leaf_names, with_written_state
 from .session import CaptureSession
 from .shapes import Dynamic
@@ -92,7 +93,7 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
         aliases=alias_pattern(leaves, tensor_meta), views=alias_pattern(leaves, tensor_meta, bases=True),
         shape_guards=shape_guards(tracer, [tracer.fake_of[id(leaves[i])] for i, _ in tensor_meta]),
     )
-    guards = (*[g for g in reads.guards.items() if not step.replaces(g[0])], *hook_guards, *step.guards)
+    guards = (*[g for g in reads.guards.values() if not step.replaces(g.path)], *hook_guards, *step.guards)
     return RootTrace(tracer, traced, leaves, spec, names, signature, guards, step, reads, written.positions)
 
 
@@ -103,7 +104,7 @@ def _param_names(fn: Any) -> dict[int, str]:
     return {id(t): name for name, t in chain(module.named_parameters(), module.named_buffers())}
 
 
-def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:
+def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[Guard]:
     """Guards on the hooks of every module the program may run -- the compiled module's, the modules it
     is passed, those its code read (watched), with all their submodules -- and on torch's global module
     hooks: a hook registered or removed on any of them captures anew (Note [Region identity])."""
@@ -113,7 +114,7 @@ def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[tuple]:
         if isinstance(root, torch.nn.Module) and id(root) not in modules:
             for sub in root.modules():
                 modules.setdefault(id(sub), sub)
-    return [hooks.guard(m) for m in (*modules.values(), hooks.GLOBAL)]
+    return [Hooks.on(m) for m in (*modules.values(), GLOBAL)]
 
 
 def _refuse_written_views(traced: Any, leaves: list[Any], names: list[str]) -> None:

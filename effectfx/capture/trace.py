@@ -26,8 +26,7 @@ from ..errors import (
 from ..graph.source import in_library, return_lines, trim_traceback, user_location
 from ..graph.traced import OperandSource, OutputKind, OutputLeaf, SourceKind, TensorMeta, TracedGraph
 from ..graph.walk import eliminate_dead_code
-from ..regions.label import raw
-from ..regions.labels import BodyLabels
+from ..guards.labels import BodyLabels, raw
 from .arguments import PLAIN_LEAVES
 from .graph_builder import GraphBuilder
 from .tracer import Tracer
@@ -60,7 +59,7 @@ class Scope:
         self.nodes: list[fx.Node] = []  # the placeholder of each input
         self.visible: dict[int, torch.Tensor] = {}  # input -> the tensor user code holds, when not its value
         self.real_nodes: dict[int, fx.Node] = {}  # id(real tensor read by identity) -> its input
-        # a body's labels (effectfx.regions.labels); the root bakes every string in
+        # a body's labels (effectfx.guards.labels); the root bakes every string in
         self.labels = BodyLabels(self.add_label) if region is not None else None
         self.builder = GraphBuilder(name, self.lift, self.lift_real, self.labels)
 

@@ -23,12 +23,12 @@ from ..effects import effect_of
 from ..errors import DataDependentControlFlowError, EffectfxError, UnsupportedMutationError
 from ..graph.source import user_location
 from ..graph.traced import TensorMeta
+from ..guards.labels import LabelMode, has_sentinel, resolve_labels
+from ..guards.reads import Watcher
 from ..interposers.collectives import COLLECTIVE_NAMESPACES, record_collective
 from ..interposers.composite import CompositeEffects
 from ..program.containers import map_structure
 from ..regions.cache import RegionCache
-from ..regions.labels import LabelMode, has_sentinel, resolve_labels
-from ..regions.reads import Watcher
 from .constants import UNKNOWN, Constants
 from .fakes import SYMBOLIC_FAKES, fake_maker, symbolic_context
 from .graph_builder import GraphBuilder

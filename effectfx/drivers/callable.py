@@ -25,6 +25,10 @@ from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.traced import TensorMeta
+from ..guards.check import GuardChecker
+from ..guards.identity import ambient, leaf_key
+from ..guards.values import plain_value
+from ..guards.words import guard_text
 from ..passes.pipeline import run_passes
 from ..passes.reinplace import reinplace_in_place
 from ..passes.remove_tokens import remove_effect_tokens_pass
@@ -33,10 +37,6 @@ from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
-from ..regions.guard_code import GuardChecker
-from ..regions.identity import ambient, failed_guards, leaf_key
-from ..regions.reads import plain_value
-from ..regions.words import guard_text
 from .capture import trace_program
 
 
@@ -298,8 +298,8 @@ class CompiledCallable:
                         self.shapes.remember(key, found[0])
                 if found is None:
                     names = self._object_names()
-                    why = [guard_text(path, expect, got, names) for e in self.cache.get(key, ())
-                           for path, expect, got in failed_guards(e.guards, ())]
+                    why = [guard_text(guard, got, names) for e in self.cache.get(key, ())
+                           for guard, got in e.check.failed()]
                     if len(why) > 4:  # (a training step's optimizer state: one guard per tensor)
                         why[3:] = [f"and {len(why) - 3} more"]
                     dims, why_dynamic = self.shapes.dims_for(group, leaves)

@@ -15,14 +15,14 @@ from ..capture.root import RootTrace, trace_root
 from ..capture.shapes import Dynamic, dynamic_dims
 from ..graph.traced import OutputKind, OutputLeaf, SourceKind
 from ..graph.walk import subgraphs
+from ..guards.check import GuardChecker
+from ..guards.identity import ambient_context
 from ..hops.region import call_region
 from ..interposers.profiler import profiled
 from ..passes.pipeline import run_passes
 from ..passes.thread_tokens import thread_tokens
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry
-from ..regions.guard_code import GuardChecker
-from ..regions.identity import ambient_context
 
 
 def _regions_of(gm: fx.GraphModule, tracer: Any) -> dict[str, RegionEntry]:

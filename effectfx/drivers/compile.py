@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..regions.reads import same_class
+from ..guards.reads import same_class
 from .callable import CompiledCallable
 
 

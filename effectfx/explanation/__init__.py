@@ -2,7 +2,7 @@
 :mod:`.report` holds them and renders the text.  Imported on first use of ``efx.explain`` (not by
 ``import effectfx``)."""
 
-from ..regions.words import key_differences
+from ..guards.words import key_differences
 from .gather import explain
 from .report import BodyReport, Explanation, GraphSize, ProgramReport, RegionReport, Stage
 

@@ -35,9 +35,9 @@ from ..drivers.callable import CompiledCallable, CompiledEntry
 from ..drivers.capture import capture
 from ..effects import effect_of, implicit_effects
 from ..graph.walk import region_call, subgraphs
+from ..guards.words import body_differences, key_differences, part_differences
 from ..program.program import Program, TrainingProgram
 from ..program.records import BodyInfo
-from ..regions.words import body_differences, key_differences, part_differences
 from .report import (
     BodyReport,
     Explanation,
@@ -133,17 +133,12 @@ def _read_types(old: BodyInfo, new: BodyInfo) -> tuple[str, ...]:
     """Type names of the values two bodies with the same key read differently (their guards)."""
     if key_differences(old.key, new.key, old.key_labels, new.key_labels):
         return ()
-    a, b = dict(old.guards), dict(new.guards)
+    a, b = {g.path: g for g in old.guards}, {g.path: g for g in new.guards}
     types = []
     for path in a.keys() & b.keys():
         if a[path] == b[path]:
             continue
-        for expect in (a[path], b[path]):
-            # expectations (effectfx.regions.reads): ("=", type, value), ("str", ...) for a label operand
-            if expect[0] == "str":
-                types.append("str")
-            elif expect[0] == "=":
-                types.append(expect[1].__name__ if isinstance(expect[1], type) else type(expect[2]).__name__)
+        types.extend(t for t in (a[path].value_type(), b[path].value_type()) if t is not None)
     return tuple(sorted(set(types)))
 
 

@@ -101,7 +101,7 @@ class SourceKind(Kind):
     ARG = "arg"  # the tensor leaf ``index`` of the flattened (args, kwargs)
     MODULE = "module"  # parameter/buffer ``name`` of the nn.Module at leaf ``index``
     LIFTED = "lifted"  # the real ``tensor`` itself: a global, a closed-over constant, a root's parameter
-    LABEL = "label"  # the string found at ``path`` from the call site's arguments (effectfx.regions.reads)
+    LABEL = "label"  # the string found at ``path`` from the call site's arguments (effectfx.guards.reads)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import ops
 from ..capture.tracer import Tracer
 from ..graph.traced import TensorMeta
-from ..regions.identity import leaf_of_key
-from ..regions.label import raw
+from ..guards.identity import leaf_of_key
+from ..guards.labels import raw
 
 
 def operand_node(tracer: Tracer, value: Any) -> Any:

@@ -28,13 +28,14 @@ from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationErro
 from ..graph.source import definition, user_location
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.traced import OutputKind, SourceKind, TensorMeta, TracedGraph, tangents_of
+from ..guards.check import resolve
+from ..guards.identity import ModuleWalk, ambient_context, call_key
+from ..guards.labels import raw
 from ..interposers.interpose import interpose
 from ..interposers.python_print import region_result_grad_fn
 from ..program.containers import value_at, write_into
 from ..regions.cache import RegionBody
 from ..regions.decorator import Region, active_tracer
-from ..regions.identity import ModuleWalk, ambient_context, call_key, resolve
-from ..regions.label import raw
 from ..regions.promotion import promoted_key, refusal_before_trace
 from .call_site import CallSite, emit_invoke, operand_node
 from .region_body import partial_backward, restricted, trace_body

@@ -28,12 +28,12 @@ from ..graph.traced import (
     same_forward,
     saved_positions,
 )
+from ..guards.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
+from ..guards.labels import raw
+from ..guards.reads import Reads, recording, report_read
 from ..regions.cache import PartialBackward, RegionBody
 from ..regions.decorator import Region
-from ..regions.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
-from ..regions.label import raw
 from ..regions.promotion import history_guards, refusal_after_trace
-from ..regions.reads import Reads, recording, report_read
 from .call_site import CallSite
 
 
@@ -92,7 +92,7 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
     looked = tracer.label_mode.grad_state_reads > grad_state_reads
     for path, expect in history_guards(looked, any(ambient()[1:]), leafness).items():
         reads.guards.setdefault(path, expect)
-    return traced, tuple(reads.guards.items())
+    return traced, tuple(reads.guards.values())
 
 
 def trace_body(tracer: Tracer, region: Region, key: Any, leaves: list[Any], spec: Any,

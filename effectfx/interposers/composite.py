@@ -54,8 +54,8 @@ from ..errors import (
     UnsupportedOperatorError,
 )
 from ..graph.source import user_frame, user_location
+from ..guards.labels import Label, raw
 from ..program.containers import map_structure
-from ..regions.label import Label, raw
 from .kernel_effects import frame_effect, kernel_frames
 from .python_print import silenced
 

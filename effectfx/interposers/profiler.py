@@ -26,7 +26,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 
 from ..effects import register_effect
-from ..regions.label import raw
+from ..guards.labels import raw
 from .collectives import parallel_wrapper_range
 from .interpose import interpose
 

@@ -27,9 +27,10 @@ from torch.utils._pytree import tree_map
 
 from ..errors import UnsupportedOperatorError
 from ..graph.source import user_location
+from ..guards.check import resolve
+from ..guards.kinds import Guard, OfType, SameObject, guard_on
+from ..guards.values import MISSING, Ref, class_of
 from ..regions.decorator import active_tracer
-from ..regions.identity import resolve
-from ..regions.reads import MISSING, Ref, class_of, expectation
 from .interpose import interpose
 
 _NO_GRAD = object()  # a tensor whose .grad the trace never looked at
@@ -46,7 +47,7 @@ class TrainingStep:
         self.optimizers: dict[int, tuple[Any, dict[int, tuple[torch.Tensor, dict]], list[dict]]] = {}
         self._created: list[tuple[Any, torch.Tensor]] = []  # per-parameter dicts the trace made
         self.targets: list[tuple] = []  # (path, is None) per Python state write (see results)
-        self.guards: list[tuple] = []
+        self.guards: list[Guard] = []
 
     # -- what the trace does ------------------------------------------------------------------------
     def begin(self, roots: list[Any]) -> None:
@@ -157,13 +158,13 @@ class TrainingStep:
         return step_run
 
     # -- after the trace ----------------------------------------------------------------------------
-    def results(self) -> tuple[list[tuple], list[torch.Tensor], list[tuple]]:
+    def results(self) -> tuple[list[tuple], list[torch.Tensor], list[Guard]]:
         """``(targets, values, guards)``: where each new value goes after a run (a path for
         ``program.containers.set_at``, and whether the value written is None), the tensors to return,
         and what the program assumes of the state the step starts from."""
         targets: list[tuple] = []
         values: list[torch.Tensor] = []
-        guards: list[tuple] = []
+        guards: list[Guard] = []
         stepped = self.ran_backward or bool(self.optimizers)
         for leaf, before in self.leaves.values():
             after, path = leaf.grad, (("id", Ref(leaf)), "grad")
@@ -174,10 +175,10 @@ class TrainingStep:
             if stepped or after is not before:  # (a plain forward's program ignores .grad)
                 # a gradient the trace never read (zero_grad() before the backward) need only exist
                 unread = isinstance(before, torch.Tensor) and id(before) not in self.read
-                guards.append((path, ("type", class_of(before)) if unread else _expect(before)))
+                guards.append(OfType(path, class_of(before)) if unread else _expect(path, before))
         for opt, state, hyper in self.optimizers.values():
             name = type(opt).__name__
-            guards.append(((("id", Ref(opt)), "state"), ("is", Ref(opt.state))))
+            guards.append(SameObject((("id", Ref(opt)), "state"), Ref(opt.state)))
             for k, group in enumerate(opt.param_groups):
                 now = {key: v for key, v in group.items() if key != "params"}
                 changed = [key for key in now if not _same(now[key], hyper[k].get(key, MISSING))]
@@ -188,13 +189,13 @@ class TrainingStep:
                         "scheduler's step(), say). Change it outside the compiled step: the program sees "
                         "the new value at its next call (Note [Training step])."
                     )
-                guards.extend(((("id", Ref(group)), ("item", key)), _expect(v)) for key, v in now.items())
+                guards.extend(_expect((("id", Ref(group)), ("item", key)), v) for key, v in now.items())
             for p, before in state.values():
                 where = (("id", Ref(opt.state)), ("key", Ref(p)))
                 after = opt.state.get(p, {})
                 for key in {**before, **after}:
                     old, new = before.get(key, MISSING), after.get(key, MISSING)
-                    guards.append(((*where, ("item", key)), _expect(old)))
+                    guards.append(_expect((*where, ("item", key)), old))
                     if new is old:
                         continue
                     if not isinstance(new, torch.Tensor):
@@ -258,11 +259,11 @@ def _leaves(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _expect(value: Any) -> tuple:
-    """A guard's expectation of a state value: a tensor by identity (its data is an input)."""
+def _expect(path: tuple, value: Any) -> Guard:
+    """A guard on a state value: a tensor by identity (its data is an input)."""
     if isinstance(value, torch.Tensor):
-        return ("is", Ref(value))
-    return expectation(value, structural=False)
+        return SameObject(path, Ref(value))
+    return guard_on(path, value, structural=False)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,3 +1,3 @@
 """Programs: what capture makes and every pass transforms -- ``Program`` and ``TrainingProgram``
-(:mod:`.program`), their records (:mod:`.records`), their text (:mod:`.printing`) and their file format
+(:mod:`.program`), their records (:mod:`.records`), their text (:mod:`.text`) and their file format
 (:mod:`.serialize`)."""

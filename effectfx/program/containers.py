@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
+from ..guards.check import set_at
+
 Position = tuple[str, Any]  # ("arg", index) or ("kwarg", name): a top-level argument of a call
 
 _REGISTERED: set[type] = set()
@@ -191,15 +193,7 @@ def write_state(targets: tuple, values: list[Any]) -> None:
     whose last step is set; ``values`` the new tensors in order."""
     found = iter(values)
     for path, to_none in targets:
-        value = None if to_none else next(found)
-        obj = path[0][1].obj
-        for s in path[1:-1]:
-            obj = getattr(obj, s) if isinstance(s, str) else obj[s[1].obj if s[0] == "key" else s[1]]
-        last = path[-1]
-        if isinstance(last, str):
-            setattr(obj, last, value)
-        else:
-            obj[last[1].obj if last[0] == "key" else last[1]] = value
+        set_at(path, None if to_none else next(found))
 
 
 def map_structure(fn: Any, value: Any) -> Any:

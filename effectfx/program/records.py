@@ -144,7 +144,7 @@ class BodyInfo:
     key_labels: tuple[str, ...]
     trace_seconds: float
     calls: int
-    guards: tuple = ()  # what its trace read: ((path, expectation), ...) (effectfx.regions.identity)
+    guards: tuple = ()  # what its trace read: guards (effectfx.guards.kinds)
     unshared: str = ""  # why calls promoted to require grad could not share its region's body
 
 

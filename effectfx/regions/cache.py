@@ -17,8 +17,9 @@ import torch
 import torch.fx as fx
 
 from ..graph.traced import TensorMeta, TracedGraph
+from ..guards.check import guards_hold
+from ..guards.kinds import Guard
 from .decorator import Region
-from .identity import guards_hold
 
 
 @dataclass
@@ -37,8 +38,8 @@ class RegionBody:
 
     identifier: str
     region: Region
-    key: Any  # identity.call_key of the call that traced it
-    guards: tuple  # ((path, expectation), ...): what the trace read (effectfx.regions.identity)
+    key: Any  # guards.identity.call_key of the call that traced it
+    guards: tuple[Guard, ...]  # what the trace read (effectfx.guards.reads)
     traced: TracedGraph
     attr: str  # attribute name of its forward subgraph in calling graphs
     key_labels: tuple[str, ...] = ()  # what each part of ``key`` is, for explanations

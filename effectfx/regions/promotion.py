@@ -13,6 +13,7 @@ import torch
 
 from ..graph.traced import TensorMeta, TracedGraph
 from ..graph.walk import is_effectful
+from ..guards.kinds import Equals, Guard
 
 
 def promoted_key(key: tuple, leaves: Sequence[Any]) -> tuple | None:
@@ -61,10 +62,11 @@ def refusal_after_trace(traced: TracedGraph, grad_state_reads: int) -> str | Non
     return None
 
 
-def history_guards(looked_at_autograd: bool, autocast: bool, leafness: dict[int, bool]) -> dict:
+def history_guards(looked_at_autograd: bool, autocast: bool, leafness: dict[int, bool]) -> dict[tuple, Guard]:
     """Guards on whether each tensor argument (by leaf index) was a leaf of autograd, when that is part of
     what the body is for: its code looked at autograd state (``x.is_leaf``, ``x.grad_fn is None``), or
     autocast caches its casts of leaves that require grad (the key already holds requires_grad)."""
     if not (looked_at_autograd or autocast):
         return {}
-    return {(("leaf", i), "is_leaf"): ("=", bool, leaf) for i, leaf in leafness.items()}
+    paths = {i: (("leaf", i), "is_leaf") for i in leafness}
+    return {paths[i]: Equals(paths[i], bool, leaf) for i, leaf in leafness.items()}

@@ -28,7 +28,7 @@ HOOK_TARGETS = ("blocks", "blocks.lin", "blocks.ident", "lin", "ident", "model")
 
 @dataclass(frozen=True)
 class HookSpec:
-    """A module hook the program registers (``effectfx.regions.hooks``).
+    """A module hook the program registers (``effectfx.guards.hooks``).
 
     target: one of HOOK_TARGETS ("blocks.lin": the ``lin`` of each block in ``layers``; "lin": the program
     module's); kind: one of HOOK_KINDS; effect: one of HOOK_EFFECTS or "" (none), labelled

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.modules.module as torch_module
 
-from .reads import Ref, plain_value
+from .values import Ref, plain_value
 
 # the hook tables nn.Module's call reads
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -26,7 +26,7 @@ _GLOBAL_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_
                  "_global_backward_hooks")
 _GLOBAL_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 GLOBAL = torch_module  # the path root of a guard on the global hooks
-HOOKS = ("hooks",)  # the path step of a guard on hooks (effectfx.regions.identity.step)
+HOOKS = ("hooks",)  # the path step of a guard on hooks (effectfx.guards.check.step)
 
 
 def _value(v: Any) -> Any:
@@ -81,14 +81,6 @@ def global_hook_key(structural: bool) -> tuple:
     flags = tuple(g[name] for name in _GLOBAL_FLAGS)
     return tuple(_table(g[name], flags if name == "_global_forward_hooks" else (), structural)
                  for name in _GLOBAL_DICTS)
-
-
-def guard(obj: Any) -> tuple[tuple, tuple]:
-    """The guard of a compiled program on the hooks of ``obj`` (a module, or :data:`GLOBAL`), by
-    identity."""
-    found = hooks_of(obj)
-    assert found is not None
-    return ((("id", Ref(obj)), HOOKS), ("hooks", found))
 
 
 def hooks_of(value: Any) -> tuple | None:

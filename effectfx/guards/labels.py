@@ -1,8 +1,9 @@
-"""Labels as operands (Note [Region identity]): a ``str`` a body reads and only passes to effectful ops --
+"""Labels (Note [Region identity]): a ``str`` a region body read, that notices any use of its value, and
+labels as operands.  A ``str`` a body reads and only passes to effectful ops --
 ``record_memory("forward", self.name)`` -- becomes an input of the body, so one body serves every layer
 and each call site passes its own value.
 
-The body's reads hand it :class:`~effectfx.regions.label.Label` s.  Effect ops see them first, at the
+The body's reads (``effectfx.guards.reads``) hand it :class:`Label` s.  Effect ops see them first, at the
 ``__torch_function__`` level, where Python objects keep their identity: :class:`LabelMode` swaps a label
 for a unique sentinel string, and the tracer maps the sentinel back to the label's placeholder when it
 records the op.  Any other use -- a comparison, a hash, formatting, a non-effect op, a backward formula --
@@ -24,8 +25,6 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..effects import effect_of
-from .label import Label, raw
-from .reads import Path, Reads
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _SENTINEL = "\x00efx-label-"
@@ -39,17 +38,109 @@ _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _COUNTER = itertools.count()
 
 
+# -- the label: a str that notices a use of its value ----------------------------------------------------
+
+
+def _observed(method: str) -> Callable[..., Any]:
+    base = getattr(str, method)
+
+    def observe(self: Label, *args: Any) -> Any:
+        Label.mark_used(self)
+        args = tuple(str.__str__(a) if isinstance(a, Label) else a for a in args)
+        return base(str.__str__(self), *args)
+
+    observe.__name__ = method
+    return observe
+
+
+class Label(str):
+    """A ``str`` a body read, that reports the first time anything looks at its value.
+
+    ``owner`` made it (the body's recorder, which may pass it to the body as an operand); ``watchers`` are
+    the other recorders that saw the read and must guard on its value once it is used.
+    """
+
+    def __new__(cls, value: str, owner: Any, path: tuple, on_use: Callable[[Label], None]) -> Label:
+        self = super().__new__(cls, value)
+        object.__setattr__(self, "_efx", {"owner": owner, "path": path, "used": False,
+                                          "on_use": on_use, "watchers": [(owner, path)]})
+        owner.operand(path)
+        return self
+
+    def state(self) -> dict:
+        return object.__getattribute__(self, "_efx")
+
+    def watch(self, reads: Any, path: tuple) -> None:  # reads: a guards.reads.Reads
+        st = Label.state(self)
+        if st["used"]:
+            reads.specialize(path, str.__str__(self))
+        else:
+            st["watchers"].append((reads, path))
+            reads.operand(path)
+
+    def mark_used(self) -> None:
+        st = Label.state(self)
+        if st["used"]:
+            return
+        st["used"] = True
+        value = str.__str__(self)
+        for reads, path in st["watchers"]:
+            reads.specialize(path, value)
+        st["on_use"](self)
+
+    def __getattribute__(self, name: str) -> Any:
+        # isinstance() asks for __class__, torch's argument parser probes for __torch_function__
+        if name in ("state", "watch", "mark_used", "__class__") or name.startswith("__torch"):
+            return object.__getattribute__(self, name)
+        Label.mark_used(self)
+        return getattr(str.__str__(self), name)
+
+    def __str__(self) -> str:
+        Label.mark_used(self)
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        Label.mark_used(self)
+        return repr(str.__str__(self))
+
+    def __hash__(self) -> int:
+        Label.mark_used(self)
+        return hash(str.__str__(self))
+
+    def __reduce__(self) -> Any:
+        Label.mark_used(self)
+        return (str, (str.__str__(self),))
+
+    for _m in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__len__", "__getitem__",
+               "__iter__", "__contains__", "__add__", "__mul__", "__rmul__", "__mod__", "__rmod__",
+               "__format__", "__sizeof__", "__getnewargs__"):
+        locals()[_m] = _observed(_m)
+    del _m
+
+    def __radd__(self, other: Any) -> Any:
+        Label.mark_used(self)
+        return other + str.__str__(self)
+
+
+def raw(value: Any) -> Any:
+    """The plain ``str`` behind a Label, without counting as a use; anything else unchanged."""
+    return str.__str__(value) if isinstance(value, Label) else value
+
+
+# -- labels as operands ----------------------------------------------------------------------------------
+
+
 class BodyLabels:
     """The labels one body handed out, and the placeholder of each one passed on as an operand."""
 
-    def __init__(self, add_input: Callable[[Label, Path], fx.Node]) -> None:
+    def __init__(self, add_input: Callable[[Label, tuple], fx.Node]) -> None:
         self.add_input = add_input
-        self.reads: Reads | None = None
-        self.by_path: dict[Path, Label] = {}
+        self.reads: Any = None  # the body's recorder (a guards.reads.Reads), which the labels report to
+        self.by_path: dict[tuple, Label] = {}
         self.nodes: dict[int, tuple[Label, fx.Node]] = {}
         self.done = False
 
-    def make(self, path: Path, value: str, parent: Any = None) -> Label:
+    def make(self, path: tuple, value: str, parent: Any = None) -> Label:
         label = self.by_path.get(path)
         if label is None:
             on_use = (lambda _label: Label.mark_used(parent)) if isinstance(parent, Label) else _ignore

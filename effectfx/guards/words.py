@@ -1,10 +1,9 @@
-"""The words for region identity (Note [Region identity]): what ``efx.explain`` says about why a body
-or a compiled signature is new, and what ``efx.compile`` says about a guard that failed.  The key and the
-guards themselves are ``effectfx.regions.identity``."""
+"""The words for keys and guards (Note [Region identity]): what ``efx.explain`` says about why a body or a
+compiled signature is new, and what ``efx.compile`` says about a guard that failed.  The key is
+``effectfx.guards.identity``; each guard kind describes itself (``Guard.describe``)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +13,7 @@ from torch.utils._pytree import TreeSpec
 from ..graph.traced import TensorMeta
 from .hooks import GLOBAL, HOOKS
 from .identity import AUTOCAST_DEVICES
-from .label import raw
-from .reads import MISSING, plain_value
+from .kinds import Guard, hooks_text
 
 
 def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, str] | None = None) -> str:
@@ -41,57 +39,19 @@ def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, st
     return text
 
 
-def expect_text(expect: tuple) -> str:
-    kind = expect[0]
-    if kind == "=":
-        if expect[1] is functools.partial:  # ("partial", (func, args, keywords, attributes)), frozen
-            func, args, keywords, _ = expect[2][1]
-            words = [repr(a) for a in _items(args)] + [f"{k}={v!r}" for k, v in _items(keywords)]
-            return f"partial({getattr(func, '__name__', func)}, {', '.join(words)})"
-        return repr(expect[2]) if plain_value(expect[2]) else f"{expect[1].__name__} {expect[2][1]!r:.60}"
-    if kind == "str":
-        return "a str (an operand)"
-    if kind == "type":
-        return f"a {expect[1].__name__}"
-    if kind == "hooks":
-        return _hooks_text(expect[1])
-    if kind in ("is", "state"):
-        return f"that {type(expect[1].obj).__name__} object" + (" in that state" if kind == "state" else "")
-    return "<missing>"
-
-
-def _items(frozen: Any) -> tuple:
-    """The items of a list, tuple or dict as :func:`freeze` holds it (a tuple of plain values as is)."""
-    if type(frozen) is tuple and len(frozen) == 2 and frozen[0] in ("tuple", "list", "dict"):
-        return frozen[1]
-    return frozen
-
-
-def value_text(value: Any) -> str:
-    if value is MISSING:
-        return "<missing>"
-    value = raw(value)
-    return repr(value) if plain_value(value) else f"a {type(value).__name__}"
-
-
-def _hooks_text(key: tuple) -> str:
-    n = sum(len(table) for table in key) if key else 0
-    return f"{n} hook{'s' if n != 1 else ''}"
-
-
-def guard_text(path: tuple, expect: tuple, found: Any, objects: dict[int, str] | None = None) -> str:
+def guard_text(guard: Guard, found: Any, objects: dict[int, str] | None = None) -> str:
     """One guard that failed: ``Model.h.0.attn.scale: 0.5 -> 0.25``."""
-    got = _hooks_text(found) if expect[0] == "hooks" and isinstance(found, tuple) else value_text(found)
-    return f"{path_text(path, (), objects)}: {expect_text(expect)} -> {got}"
+    return f"{path_text(guard.path, (), objects)}: {guard.describe()} -> {guard.found_text(found)}"
 
 
-def guard_differences(old: tuple, new: tuple, leaf_names: Sequence[str] = ()) -> list[str]:
+def guard_differences(old: Sequence[Guard], new: Sequence[Guard], leaf_names: Sequence[str] = ()
+                      ) -> list[str]:
     """Lines naming the reads two bodies disagree on: ``self.config.use_gate: True -> False``."""
-    a, b = dict(old), dict(new)
+    a, b = {g.path: g for g in old}, {g.path: g for g in new}
     out = []
     for path in a:
         if path in b and a[path] != b[path]:
-            out.append(f"{path_text(path, leaf_names)}: {expect_text(a[path])} -> {expect_text(b[path])}")
+            out.append(f"{path_text(path, leaf_names)}: {a[path].describe()} -> {b[path].describe()}")
     return out
 
 
@@ -133,7 +93,7 @@ def _diff_structure(label: str, a: tuple, b: tuple) -> list[str]:
     for prefix in dict.fromkeys([*ha, *hb]):
         if ha.get(prefix) != hb.get(prefix):
             where = f"{label}.{prefix}" if prefix else label
-            before, after = _hooks_text(ha.get(prefix, ())), _hooks_text(hb.get(prefix, ()))
+            before, after = hooks_text(ha.get(prefix, ())), hooks_text(hb.get(prefix, ()))
             out.append(f"{where}: hooks {before} -> {after} (other functions, or other values they close "
                        "over)")
     if ga != gb:

@@ -1,4 +1,4 @@
-"""What a trace reads from Python objects: the facts region identity guards on (Note [Region identity]).
+"""What a trace reads from Python objects: the facts its guards hold (Note [Region identity]).
 
 During a capture, every object a trace reaches through attributes -- the modules passed to regions, their
 submodules, config objects hanging off them, objects held in closures and globals -- is *watched*: its
@@ -6,29 +6,21 @@ class is swapped, for the capture only and on the capturing thread only, for a s
 lookups report ``(object, name, value)`` to every active :class:`Reads`.  A read of a ``str`` inside a
 region body hands the body a :class:`Label` instead, a ``str`` that notices when its value is looked at
 (compared, hashed, formatted, sliced...).  A label that is only ever passed to effectful ops becomes an
-operand of the body (``effectfx.regions.labels``); any other use specializes the body on its value.
+operand of the body (``effectfx.guards.labels``); any other use specializes the body on its value.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import threading
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from .label import Label
-
-MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
-
-_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
-# functions compared by identity inside a frozen value: their code is the same object
-_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, torch._ops.OpOverload,
-              torch._ops.OpOverloadPacket)
+from .kinds import Equals, Guard, IsStr, ObjectState, OfType, SameObject, guard_on
+from .labels import Label
+from .values import MISSING, Path, Ref, class_of, plain_value, watchable
 
 # nn.Module's own bookkeeping: read on every call, never part of what a layer computes
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
@@ -53,105 +45,6 @@ def recording(reads: Reads) -> Iterator[Reads]:
         stack.pop()
 
 
-class Ref(int):
-    """A path root that is one particular object: equal and hashed by identity (as the int ``id(obj)``,
-    so in C: guards hold thousands of these), holding the object alive.  Paths never hold a plain int
-    where a Ref stands."""
-
-    obj: Any
-
-    def __new__(cls, obj: Any) -> Ref:
-        ref = super().__new__(cls, id(obj))
-        ref.obj = obj
-        return ref
-
-    def __repr__(self) -> str:
-        return f"<{type(self.obj).__name__}>"
-
-    def __copy__(self) -> Ref:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> Ref:  # a copy refers to the very object
-        return self
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a guard's reference to a live object cannot be pickled")
-
-
-def plain_value(value: Any) -> bool:
-    """Hashable plain data (numbers, strings, dtypes, enums...): values a trace can bake in."""
-    if isinstance(value, tuple):
-        return all(plain_value(v) for v in value)
-    return isinstance(value, _PLAIN)
-
-
-def freeze(value: Any, depth: int = 0) -> Any:
-    """A hashable snapshot of plain data in lists, dicts and sets, or MISSING if it holds anything else."""
-    if plain_value(value):
-        return str.__str__(value) if isinstance(value, Label) else value
-    if depth > 4:
-        return MISSING
-    if isinstance(value, (list, tuple)):
-        items = tuple(freeze(v, depth + 1) for v in value)
-    elif isinstance(value, dict):
-        items = tuple((freeze(k, depth + 1), freeze(v, depth + 1)) for k, v in value.items())
-    elif isinstance(value, (set, frozenset)):
-        items = tuple(sorted((freeze(v, depth + 1) for v in value), key=repr))
-    elif type(value) is types.SimpleNamespace:  # a config object: its attributes are all it is
-        items = tuple((k, freeze(v, depth + 1)) for k, v in vars(value).items())
-    elif type(value) is functools.partial and isinstance(value.func, _FUNCTIONS):
-        # an activation such as ``partial(F.gelu, approximate="tanh")``, one per layer: equal when it
-        # calls the same function with equal arguments
-        items = (value.func, freeze(value.args, depth + 1), freeze(value.keywords, depth + 1),
-                 freeze(vars(value), depth + 1))
-    else:
-        return MISSING
-    if MISSING in items or any(isinstance(i, tuple) and MISSING in i for i in items):
-        return MISSING
-    return (type(value).__name__, items)
-
-
-def expectation(value: Any, structural: bool) -> tuple:
-    """What a guard expects of a value read: its value for plain data, its class (``structural``, for
-    region bodies, whose call sites hold other instances) or identity (compiled programs) otherwise."""
-    if value is MISSING:
-        return ("missing",)
-    if isinstance(value, Label):
-        return ("=", str, str.__str__(value))
-    if plain_value(value):
-        return ("=", type(value), value)
-    frozen = freeze(value)
-    if frozen is not MISSING:
-        return ("=", type(value), frozen)
-    if structural and (isinstance(value, torch.nn.Module) or watchable(value)):
-        return ("type", class_of(value))
-    if not watchable(value) and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__"):
-        state = freeze(vars(value))  # its reads cannot be seen: guard on all its plain state
-        if state is not MISSING:
-            return ("state", Ref(value), state)
-    return ("is", Ref(value))
-
-
-def satisfies(value: Any, expect: tuple) -> bool:
-    kind = expect[0]
-    if kind == "=":
-        if type(value) is not expect[1] and not (expect[1] is str and isinstance(value, str)):
-            return False
-        got = str.__str__(value) if isinstance(value, Label) else value
-        return (got if plain_value(got) else freeze(got)) == expect[2]
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "type":
-        return class_of(value) is expect[1]
-    if kind == "is":
-        return value is expect[1].obj
-    if kind == "state":
-        return value is expect[1].obj and freeze(vars(value)) == expect[2]
-    if kind == "hooks":  # (value: what regions.hooks reads of a module's hooks)
-        return value == expect[1]
-    return value is MISSING  # "missing"
-
-
 def _fresh_each_read(owner: Any, step: Any, value: Any) -> bool:
     """Whether reading attribute ``step`` of ``owner`` again gives another object (read unrecorded)."""
     if not isinstance(step, str):
@@ -166,22 +59,7 @@ def _fresh_each_read(owner: Any, step: Any, value: Any) -> bool:
         _LOCAL.stack = stack
 
 
-def class_of(value: Any) -> type:
-    """The object's own class, also while it is watched (its class swapped for a recording subclass)."""
-    cls = type(value)
-    return getattr(cls, "__efx_watched__", cls)
-
-
 # -- watching objects -------------------------------------------------------------------------------------
-
-
-def watchable(obj: Any) -> bool:
-    """Objects whose attribute reads can be recorded: instances of ordinary Python classes."""
-    cls = type(obj)
-    if isinstance(obj, (type, torch.Tensor, enum.Enum)) or callable(obj) and not isinstance(
-            obj, torch.nn.Module):
-        return False
-    return bool(cls.__flags__ & (1 << 9)) and hasattr(obj, "__dict__")  # a heap type with a __dict__
 
 
 _WATCHED_CLASSES: dict[type, type] = {}
@@ -282,11 +160,9 @@ class Watcher:
 
 # -- recorders ------------------------------------------------------------------------------------------
 
-Path = tuple  # (root, *steps): root ("leaf", i) or ("id", Ref); a step is an attribute name or ("item", k)
-
 
 class Reads:
-    """The reads of one trace, as guards: ``path -> expectation`` (the first read of a path wins).
+    """The reads of one trace, as guards: ``path -> Guard`` (the first read of a path wins).
 
     A body's recorder (``structural``) names objects by their path from the body's arguments, so a guard
     can be checked against another call site's arguments; objects it cannot reach from them are named by
@@ -300,7 +176,7 @@ class Reads:
         self.structural = structural
         self.paths: dict[int, Path] = {}
         self.named: list[Any] = []
-        self.guards: dict[Path, tuple] = {}
+        self.guards: dict[Path, Guard] = {}
         self.on_label = on_label  # makes a Label for a str the body read (bodies only)
         # id(tensor) -> (object, step) it was first read from (the root's: a compiled program reads it
         # there again at each call, so a replaced tensor attribute is seen)
@@ -321,16 +197,16 @@ class Reads:
             self.specialize(path, str.__str__(value))  # the root passes the value itself: guard it
         elif isinstance(value, Label):
             value.watch(self, path)
-        elif isinstance(value, str) and innermost and self.on_label is not None and (
-                self.guards.get(path, ("str",)) == ("str",)):
+        elif isinstance(value, str) and innermost and self.on_label is not None and isinstance(
+                self.guards.get(path), (IsStr, type(None))):
             return self.on_label(path, value)
         elif path not in self.guards:
-            expect = expectation(value, self.structural)
-            if expect[0] in ("is", "state") and _fresh_each_read(owner, step, value):
+            guard = guard_on(path, value, self.structural)
+            if isinstance(guard, (SameObject, ObjectState)) and _fresh_each_read(owner, step, value):
                 # a property that makes a new object per read (transformers' config.per_layer_config): by
                 # identity it would fail at every call; its class, and the reads through it, say it all
-                expect = ("type", class_of(value))
-            self.guards[path] = expect
+                guard = OfType(path, class_of(value))
+            self.guards[path] = guard
         if not plain_value(value) and value is not MISSING and (not watch or self.watcher.watch(value)):
             if id(value) not in self.paths:
                 self.paths[id(value)] = path
@@ -341,5 +217,10 @@ class Reads:
         if not self.structural:
             self.tensor_sources.setdefault(id(value), (owner, step))
 
+    def operand(self, path: Path) -> None:
+        """A label was read at ``path``: while it is an operand, any str will do."""
+        self.guards.setdefault(path, IsStr(path))
+
     def specialize(self, path: Path, value: str) -> None:
-        self.guards[path] = ("=", str, value)
+        """The label read at ``path`` was used: the body holds its value."""
+        self.guards[path] = Equals(path, str, value)

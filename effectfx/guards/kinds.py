@@ -1,0 +1,273 @@
+"""The guard kinds (Note [Region identity]): what a trace relied on of one value it read, at a path.
+
+A guard is a frozen dataclass: its ``path`` (``values.Path``) and what it expects there.  Equal guards are
+equal and hash alike (a body's cache key holds its guards); a :class:`~effectfx.guards.values.Ref` in one
+compares by identity.  Each kind says
+
+* ``holds(value)``: whether the value now at its path is what the trace relied on;
+* ``describe()``: what ``efx.explain`` and ``efx.compile`` say it expects (``found_text``: what was found);
+* ``tree_check(tree)`` / ``python_check(out)``: how a compiled program checks it -- added to the C++ guard
+  tree or to the generated code (``effectfx.guards.emit``), True if added; a kind that adds itself to
+  neither is interpreted (``holds`` on the value its path reads: ``effectfx.guards.check``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .emit import Tree, Writer
+from .hooks import GLOBAL, HOOKS, global_tables, hooks_of, tables
+from .labels import Label, raw
+from .values import MISSING, Path, Ref, class_of, freeze, plain_value, watchable
+
+# classes whose values the tree and the code compare as the interpretation does (the same type, then ==);
+# a str only in the tree, on attribute paths (the interpretation also passes a ``str`` subclass)
+_SCALARS = (bool, int, float, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """What a trace relied on of the value at ``path``."""
+
+    path: Path
+
+    def holds(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def found_text(self, value: Any) -> str:
+        """What the value found is, in the words of :meth:`describe`."""
+        return value_text(value)
+
+    def value_type(self) -> str | None:
+        """The name of the plain type this guard expects a value of, if it does (``efx.explain``'s hint)."""
+        return None
+
+    def tree_check(self, tree: Tree) -> bool:
+        return False
+
+    def python_check(self, out: Writer) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Equals(Guard):
+    """Plain data: a value of class ``cls`` equal to ``value`` (for containers, their ``values.freeze``);
+    any ``str`` for ``cls is str``."""
+
+    cls: type
+    value: Any
+
+    def holds(self, value: Any) -> bool:
+        if isinstance(value, Label):
+            Label.mark_used(value)  # the body depends on the value: so does its caller
+            value = str.__str__(value)
+        if type(value) is not self.cls and not (self.cls is str and isinstance(value, str)):
+            return False
+        return value is self.value or (value if plain_value(value) else freeze(value)) == self.value
+
+    def describe(self) -> str:
+        if self.cls is functools.partial:  # ("partial", (func, args, keywords, attributes)), frozen
+            func, args, keywords, _ = self.value[1]
+            words = [repr(a) for a in _items(args)] + [f"{k}={v!r}" for k, v in _items(keywords)]
+            return f"partial({getattr(func, '__name__', func)}, {', '.join(words)})"
+        return repr(self.value) if plain_value(self.value) else f"{self.cls.__name__} {self.value[1]!r:.60}"
+
+    def value_type(self) -> str:
+        return self.cls.__name__
+
+    def _plain_tuple(self) -> bool:  # ``normalized_shape``
+        return self.cls is tuple and plain_value(self.value)
+
+    def tree_check(self, tree: Tree) -> bool:
+        attributes = all(isinstance(step, str) for step in self.path[1:])
+        if not (self.cls in _SCALARS or self._plain_tuple() or self.cls is str and attributes):
+            return False
+        read = tree.read(self.path)
+        if read is not None:
+            tree.equal(read, self.value)
+        return read is not None
+
+    def python_check(self, out: Writer) -> bool:
+        if not (self.cls in _SCALARS or self._plain_tuple()):
+            return False
+        var = out.read(self.path)
+        if var is not None and self.cls is tuple:
+            out.fails_if(f"type({var}) is not tuple or {var} != {out.constant(self.value)}")
+        elif var is not None:
+            out.equal(var, self.value)
+        return var is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SameObject(Guard):
+    """That very object (a submodule, an object whose reads cannot be seen)."""
+
+    ref: Ref
+
+    def holds(self, value: Any) -> bool:
+        return value is self.ref.obj
+
+    def describe(self) -> str:
+        return f"that {type(self.ref.obj).__name__} object"
+
+    def tree_check(self, tree: Tree) -> bool:
+        read = tree.read(self.path)
+        if read is not None:
+            tree.same(read, self.ref.obj)
+        return read is not None
+
+    def python_check(self, out: Writer) -> bool:  # (a path through dicts keyed by objects)
+        var = out.read(self.path)
+        if var is not None:
+            out.same(var, self.ref.obj)
+        return var is not None
+
+
+@dataclass(frozen=True, slots=True)
+class OfType(Guard):
+    """An object of that class (a region body's module argument: its call sites hold other instances)."""
+
+    cls: type
+
+    def holds(self, value: Any) -> bool:
+        return class_of(value) is self.cls
+
+    def describe(self) -> str:
+        return f"a {self.cls.__name__}"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectState(Guard):
+    """That very object, with the same plain state (an object whose reads cannot be seen)."""
+
+    ref: Ref
+    state: Any  # freeze(vars(obj))
+
+    def holds(self, value: Any) -> bool:
+        return value is self.ref.obj and freeze(vars(value)) == self.state
+
+    def describe(self) -> str:
+        return f"that {type(self.ref.obj).__name__} object in that state"
+
+    def python_check(self, out: Writer) -> bool:
+        var = out.read(self.path)
+        if var is not None:
+            out.fails_if(f"not {out.helper('_holds', _holds)}({out.constant(self)}, {var})")
+        return var is not None
+
+
+@dataclass(frozen=True, slots=True)
+class IsStr(Guard):
+    """Any ``str``: a label a body passes on as an operand (``effectfx.guards.labels``)."""
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, str)
+
+    def describe(self) -> str:
+        return "a str (an operand)"
+
+    def value_type(self) -> str:
+        return "str"
+
+
+@dataclass(frozen=True, slots=True)
+class Absent(Guard):
+    """No such attribute or item (``getattr(config, "x", None)`` found none)."""
+
+    def holds(self, value: Any) -> bool:
+        return value is MISSING
+
+    def describe(self) -> str:
+        return "<missing>"
+
+    def python_check(self, out: Writer) -> bool:  # (the tree's read of a missing attribute fails)
+        var = out.read(self.path)
+        if var is not None:
+            out.fails_if(f"{var} is not MISSING")
+        return var is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks(Guard):
+    """The hooks of a module, or torch's global ones (``effectfx.guards.hooks``), as ``key``."""
+
+    key: tuple
+
+    @classmethod
+    def on(cls, obj: Any) -> Hooks:
+        """A compiled program's guard on the hooks of ``obj`` (a module, or ``hooks.GLOBAL``)."""
+        found = hooks_of(obj)
+        assert found is not None
+        return cls((("id", Ref(obj)), HOOKS), found)
+
+    def holds(self, value: Any) -> bool:
+        return value == self.key
+
+    def describe(self) -> str:
+        return hooks_text(self.key)
+
+    def found_text(self, value: Any) -> str:
+        return hooks_text(value) if isinstance(value, tuple) else value_text(value)
+
+    def python_check(self, out: Writer) -> bool:
+        if self.path[0][0] != "id":
+            return False
+        obj = self.path[0][1].obj
+        if not self.key:  # (most modules: their hook tables, tested together)
+            out.stay_empty(global_tables() if obj is GLOBAL else tables(obj))
+        else:
+            now = f"{out.helper('hooks_of', hooks_of)}({out.constant(obj)})"
+            out.fails_if(f"{now} != {out.constant(self.key)}")
+        return True
+
+
+def guard_on(path: Path, value: Any, structural: bool) -> Guard:
+    """The guard on a value read at ``path``: its value for plain data, its class (``structural``, for
+    region bodies, whose call sites hold other instances) or identity (compiled programs) otherwise."""
+    if value is MISSING:
+        return Absent(path)
+    if isinstance(value, Label):
+        return Equals(path, str, str.__str__(value))
+    if plain_value(value):
+        return Equals(path, type(value), value)
+    frozen = freeze(value)
+    if frozen is not MISSING:
+        return Equals(path, type(value), frozen)
+    if structural and (isinstance(value, torch.nn.Module) or watchable(value)):
+        return OfType(path, class_of(value))
+    if not watchable(value) and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__"):
+        state = freeze(vars(value))  # its reads cannot be seen: guard on all its plain state
+        if state is not MISSING:
+            return ObjectState(path, Ref(value), state)
+    return SameObject(path, Ref(value))
+
+
+def _holds(guard: Guard, value: Any) -> bool:
+    return guard.holds(value)
+
+
+def value_text(value: Any) -> str:
+    if value is MISSING:
+        return "<missing>"
+    value = raw(value)
+    return repr(value) if plain_value(value) else f"a {type(value).__name__}"
+
+
+def _items(frozen: Any) -> tuple:
+    """The items of a list, tuple or dict as ``values.freeze`` holds it (a tuple of plain values as is)."""
+    if type(frozen) is tuple and len(frozen) == 2 and frozen[0] in ("tuple", "list", "dict"):
+        return frozen[1]
+    return frozen
+
+
+def hooks_text(key: tuple) -> str:
+    """How many hooks a hook key (``guards.hooks``) holds, in words."""
+    n = sum(len(table) for table in key) if key else 0
+    return f"{n} hook{'s' if n != 1 else ''}"
