@@ -28,6 +28,7 @@ from ..graph.source import in_library, return_lines, trim_traceback, user_locati
 from ..graph.walk import eliminate_dead_code
 from ..regions.label import raw
 from ..regions.labels import BodyLabels
+from . import rng
 from .arguments import PLAIN_LEAVES
 from .graph_builder import GraphBuilder
 from .tracer import Tracer
@@ -251,6 +252,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
     ``grad_outputs`` says which differentiable outputs get a gradient (default: all); the backward is
     autograd's over those only (Note [Partial backward])."""
     tracer, builder = scope.tracer, scope.builder
+    rng.install()  # Note [Random numbers]
     with tracer.graph(builder):
         try:
             out = run()
@@ -293,6 +295,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             gm = builder.finish(out_nodes, class_name)
             scope.finish_labels(gm.graph, layout)
             input_meta = [_meta(v) for v in scope.values]
+            rng.simplify(gm.graph)
             eliminate_dead_code(gm.graph)
             gm.recompile()  # lazy: only marks the code stale
             return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta,
@@ -341,6 +344,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         len(scope.values) - n_inputs
     )
     input_meta = [_meta(v) for v in scope.values]
+    rng.simplify(joint.graph)
     part = partition_joint(joint, len(out_nodes), pass_inputs=scope.region is not None)
     return TracedGraph(
         part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,
