@@ -48,6 +48,9 @@ nothing; one that draws saves one state (5 KB) per call.  ``torch.manual_seed`` 
 captured code are refused: the capture would seed the generator once, the program never.  Only the CPU
 generator is recorded (``torch.cuda``'s states, which a checkpoint of CUDA tensors saves too, are not).
 Tests: tests/test_rng.py, and the fuzzer's ``random`` statements (``effectfx.testing.program.RANDOM``).
+Not eager's yet: a checkpointed value passed to a region that never reads it is recomputed in the
+capture's backward (a region call's autograd node has an edge to every operand), which eager never does:
+with ``preserve_rng_state=False`` its draws move the generator (an xfail in tests/test_rng.py).
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ def _diverted(original: Callable[..., Any], on_capture: Callable[..., Any]) -> C
 def _reseeds(tracer: Any, *args: Any, **kwargs: Any) -> Any:
     raise UnsupportedOperatorError(
         f"{tracer.where()} seeds the global random number generator (torch.manual_seed or torch.seed, at "
-        f"{user_location()}): a compiled program would not seed it again at each call (Note [Random "
-        "numbers]). Seed before calling the compiled function, or draw from a torch.Generator of your own."
+        f"{user_location()}): the capture would seed it once, the program never (Note [Random numbers]). "
+        "Seed before calling the compiled function, or draw from a torch.Generator made outside it."
     )
 
 
