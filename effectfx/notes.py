@@ -303,4 +303,12 @@ A captured function may run a whole training step: ``loss.backward()``, gradient
     two programs, and changing ``lr`` between calls captures again; a tensor ``lr`` (updated in place by
     a scheduler) is an input and does not.  Python state the step changes that a program cannot replay --
     a hyperparameter (an LR scheduler stepping inside), non-tensor optimizer state -- is refused.
+
+Note [Random numbers]
+~~~~~~~~~~~~~~~~~~~~~
+Written out in ``effectfx/interposers/rng.py``.  Random ops draw from eager's global generator in graph order
+and are never dropped; what eager does with the generator's state -- ``torch.utils.checkpoint``'s
+``preserve_rng_state``, the user's ``fork_rng`` -- is recorded as ``effectfx_rng::get_state`` /
+``set_state`` nodes, so a checkpoint's recompute replays the forward's draws and the generator ends every
+graph where eager's does.
 """

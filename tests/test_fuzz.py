@@ -166,7 +166,7 @@ FEATURES = [
     "effect:logged", "buffer:ema", "buffer:count", "buffer:copy", "bufread:ping", "bufread:print",
     "bufread:use", "bufread:bnstat", "bufread:bnprint", "bn", "mutate:add", "mutate:mul", "mutate:view",
     "input updated in place", "region updates its argument", "region updates buffers",
-    "blocks update their own buffers",
+    "blocks update their own buffers", "random:dropout", "random:checkpoint", "random:fresh",
 ]
 
 

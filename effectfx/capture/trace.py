@@ -27,6 +27,7 @@ from ..graph.source import in_library, return_lines, trim_traceback, user_locati
 from ..graph.traced import OperandSource, OutputKind, OutputLeaf, SourceKind, TensorMeta, TracedGraph
 from ..graph.walk import eliminate_dead_code
 from ..guards.labels import BodyLabels, raw
+from ..interposers import rng
 from .arguments import PLAIN_LEAVES
 from .graph_builder import GraphBuilder
 from .tracer import Tracer
@@ -293,6 +294,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
             gm = builder.finish(out_nodes, class_name)
             scope.finish_labels(gm.graph, layout)
             input_meta = [_meta(v) for v in scope.values]
+            rng.simplify(gm.graph)
             eliminate_dead_code(gm.graph)
             gm.recompile()  # lazy: only marks the code stale
             return TracedGraph(gm, None, scope.sources, input_meta, spec, layout, out_meta,
@@ -341,6 +343,7 @@ def trace_graph(scope: Scope, run: Callable[[], Any], where: str, class_name: st
         len(scope.values) - n_inputs
     )
     input_meta = [_meta(v) for v in scope.values]
+    rng.simplify(joint.graph)
     part = partition_joint(joint, len(out_nodes), pass_inputs=scope.region is not None)
     return TracedGraph(
         part.forward, part.backward, scope.sources, input_meta, spec, layout, out_meta,

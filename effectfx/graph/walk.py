@@ -25,6 +25,7 @@ torch.fx.node._side_effectful_functions.update({ops.with_effects, ops.sink_token
 
 _NONE: frozenset[str] = frozenset()
 _ALWAYS_LIVE = {ops.sink_tokens, ops.with_effects}
+_RANDOM = torch.Tag.nondeterministic_seeded
 
 
 def get_attr(gm: torch.nn.Module, target: str) -> Any:
@@ -150,9 +151,28 @@ def is_effectful(node: fx.Node) -> bool:
     return node.target in _ALWAYS_LIVE or bool(node_effect_keys(node))
 
 
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws from the global random generator (or saves or restores its state): it stays
+    even when nothing reads its result, so the generator ends each graph where eager's does -- it is not
+    an effect (Note [Random numbers], ``effectfx.interposers.rng``).  A region or control-flow call draws when
+    a subgraph it runs does."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return _RANDOM in node.target.tags
+    hop, args = hop_call(node)
+    return hop is not None and any(_graph_draws(get_attr(node.graph.owning_module, a.target))
+                                   for a in args if getattr(a, "op", None) == "get_attr")
+
+
+def _graph_draws(gm: Any) -> bool:
+    cached = gm.meta.get("effectfx_draws_random")
+    if cached is None:
+        cached = gm.meta["effectfx_draws_random"] = any(draws_random(n) for n in gm.graph.nodes)
+    return cached
+
+
 def effectful_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
-    """The nodes of ``nodes`` that must survive whatever uses them (:func:`is_effectful`); a region's
-    effects are asked once per subgraph."""
+    """The nodes of ``nodes`` that must survive whatever uses them (:func:`is_effectful`,
+    :func:`draws_random`); a region's effects are asked once per subgraph."""
     by_attr: dict[fx.Node, bool] = {}
     found = []
     for node in nodes:
@@ -162,9 +182,9 @@ def effectful_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
             attr = node.args[0]
             keep = by_attr.get(attr)
             if keep is None:
-                keep = by_attr[attr] = is_effectful(node)
+                keep = by_attr[attr] = is_effectful(node) or draws_random(node)
         else:
-            keep = is_effectful(node)
+            keep = is_effectful(node) or draws_random(node)
         if keep:
             found.append(node)
     return found
@@ -173,6 +193,6 @@ def effectful_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
 def eliminate_dead_code(graph: fx.Graph) -> fx.Graph:
     """Remove, in place, every pure node whose value is unused; returns the graph."""
     for node in reversed(list(graph.nodes)):
-        if not node.users and not is_effectful(node):
+        if not node.users and not is_effectful(node) and not draws_random(node):
             graph.erase_node(node)
     return graph

@@ -184,13 +184,16 @@ def fresh_args(args: tuple) -> Callable[[], tuple]:
 
 
 class StartingState:
-    """The values ``state`` had when this was made: each system under comparison starts from them."""
+    """The values ``state`` had when this was made, and the global generator's: each system under
+    comparison starts from them (Note [Random numbers])."""
 
     def __init__(self, state: tuple[torch.Tensor, ...]) -> None:
         self.state = tuple(state)
         self.start = [t.detach().clone() for t in self.state]
+        self.rng = torch.get_rng_state()
 
     def reset(self) -> None:
+        torch.set_rng_state(self.rng)
         with torch.no_grad():
             for t, s in zip(self.state, self.start):
                 t.copy_(s)
@@ -202,16 +205,16 @@ class StartingState:
 def run_sequence(call: Callable[..., Any], fn: Callable[..., Any], make_args: Callable[[], tuple],
                  start: StartingState, calls: int = 1, first_only: bool = False) -> list[RunResult]:
     """``call`` on ``calls`` fresh ``make_args()`` in turn, from ``start``'s state; each result holds the
-    arguments and the state after its call (``RunResult.after``).  Gradients are taken with respect to the
-    arguments and ``fn``'s parameters that require grad, of every output that requires grad, or of the
-    first only (``first_only``)."""
+    arguments, the state and the global generator's state after its call (``RunResult.after``).
+    Gradients are taken with respect to the arguments and ``fn``'s parameters that require grad, of every
+    output that requires grad, or of the first only (``first_only``)."""
     start.reset()
     results = []
     for _ in range(calls):
         args = make_args()
         outs, grads, log = _run(lambda args=args: call(*args), _wrt(fn, args, {}), first_only)
         after = [a.detach().clone() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
-        after += [t.detach().clone() for t in start.state]
+        after += [t.detach().clone() for t in start.state] + [torch.get_rng_state()]
         results.append(RunResult(outs, grads, log, [], after))
     return results
 

@@ -2,8 +2,9 @@
 
 :func:`programs` draws a :class:`~effectfx.testing.program.ProgramSpec`: elementwise ops, reductions
 broadcast back (``a - a.mean(-1, keepdim=True)``), matmuls with module parameters or constants, in-place
-updates of fresh intermediates, ``detach``, effect ops on the program's 1-3 keys (``efxtest::record_*``,
-``log_tensor``, ``bump``), ``efxtest::scale`` (an effect in backward only), ``efxfuzz::ping`` (never
+updates of fresh intermediates, ``detach``, dropout (alone, checkpointed, checkpointed without preserving
+the generator's state), effect ops on the program's 1-3 keys (``efxtest::record_*``, ``log_tensor``,
+``bump``), ``efxtest::scale`` (an effect in backward only), ``efxfuzz::ping`` (never
 registered, returns nothing), ``efxfuzz::logged`` (CompositeImplicitAutograd kernel), Python ``print``,
 and region calls: once, repeatedly, chained ``r(r(a))``, in a ``for`` loop, under ``torch.no_grad()``, or
 with the result unused; regions may take a number ``s`` and a list ``xs`` of tensors they read (and,
@@ -46,6 +47,7 @@ from .program import (
     MAX_DEPTH,
     MUTATIONS,
     PRINTS,
+    RANDOM,
     REDUCE,
     REGION_STYLES,
     TENSOR_EFFECTS,
@@ -85,7 +87,8 @@ def _fresh_output(s: Stmt) -> bool:
         return s.op not in ("tanh", "sigmoid", "relu")  # saved for their backward
     if s.kind == "reduce":
         return s.op != "softmax"
-    return s.kind in ("binary", "scalar", "inplace", "matmul", "bn") or (s.kind, s.op) == ("bufread", "use")
+    return (s.kind in ("binary", "scalar", "inplace", "matmul", "bn", "random")
+            or (s.kind, s.op) == ("bufread", "use"))
 
 
 # ... and these reads neither save nor alias what they read (the others make it no longer updatable)
@@ -101,7 +104,7 @@ def _harmless_read(s: Stmt) -> bool:
     return s.kind in ("scalar", "inplace", "print", "buffer", "bufread", "mutate")
 
 
-_DATA_KINDS = ("unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar")
+_DATA_KINDS = ("unary", "binary", "reduce", "matmul", "inplace", "detach", "scalar", "random")
 
 
 def _data_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], out: str) -> Stmt:
@@ -119,6 +122,8 @@ def _data_stmt(draw: Any, kind: str, ctx: _Context, a: str, names: list[str], ou
                     value=draw(st.sampled_from([0.5, 2.0, -1.0])))
     if kind == "scalar":
         return Stmt(kind, "times_s", (a,), (out,))
+    if kind == "random":
+        return Stmt(kind, draw(st.sampled_from(sorted(RANDOM))), (a,), (out,))
     return Stmt(kind, "detach", (a,), (out,))
 
 
@@ -167,7 +172,7 @@ def _body(draw: Any, ctx: _Context, params: tuple[str, ...], max_stmts: int, n_r
     names = list(params)
     stmts: list[Stmt] = []
     fresh = (f"v{i}" for i in itertools.count())
-    kinds = ["unary", "binary", "reduce", "detach", "inplace", "effect", "effect", "print"]
+    kinds = ["unary", "binary", "reduce", "detach", "inplace", "effect", "effect", "print", "random"]
     if ctx.matrices:
         kinds.append("matmul")
     if ctx.callees:  # about half the statements call a region when there is one to call
@@ -275,10 +280,10 @@ def _state(draw: Any, module: bool, exclude: frozenset[str]) -> dict[str, bool]:
 def programs(draw: Any, max_regions: int = 4, max_stmts: int = 6,
              exclude: frozenset[str] | tuple[str, ...] = ()) -> ProgramSpec:
     """Hypothesis strategy for :class:`ProgramSpec`.  ``exclude`` names statement kinds (``"nograd"``,
-    ``"inplace"``, ``"print"``, ``"list"`` for list arguments, ``"change"`` for changing them, ``"buffer"``
-    for buffer updates, ``"bn"`` for BatchNorm, ``"mutate"`` for updating arguments in place, ``"leaf"`` for
-    updating an input that is a leaf requiring grad (refused), ``"child"``
-    for child modules, ``"hook"`` for module hooks, ``"backward_hook"`` for full backward hooks,
+    ``"inplace"``, ``"print"``, ``"random"`` for dropout and checkpointing, ``"list"`` for list arguments,
+    ``"change"`` for changing them, ``"buffer"`` for buffer updates, ``"bn"`` for BatchNorm, ``"mutate"`` for
+    updating arguments in place, ``"leaf"`` for updating an input that is a leaf requiring grad (refused),
+    ``"child"`` for child modules, ``"hook"`` for module hooks, ``"backward_hook"`` for full backward hooks,
     ``"late_hook"`` for hooks registered or removed between calls, ...), effect ops (``"scale"``,
     ``"logged"``, ...) or prints (``"stats"``, ... of ``PRINTS``) that generated programs must not use."""
     exclude = frozenset(exclude)

@@ -64,6 +64,15 @@ MATMUL = {
     "matmul": "{a} @ {w}",
     "linear": "torch.nn.functional.linear({a}, {w})",
 }
+# random ops at dropout's default probability, and activation checkpointing around them (Note [Random
+# numbers]): every system starts from one generator state, which is compared after every call
+RANDOM = {
+    "dropout": "torch.nn.functional.dropout({a}, 0.5)",
+    "checkpoint": "torch.utils.checkpoint.checkpoint(lambda t: torch.nn.functional.dropout(t.sin(), 0.5) "
+                  "* t, {a}, use_reentrant=False)",
+    "fresh": "torch.utils.checkpoint.checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5).cos(), {a}, "
+             "use_reentrant=False, preserve_rng_state=False)",
+}
 # Python print, in the shapes people write it ({p}: the printed tensor, {label}: a string)
 PRINTS = {
     "plain": 'print("{label}", {p})',
@@ -132,6 +141,7 @@ class Stmt:
     (or region name for calls, or effect op name); args: variables read; outs: variables assigned; label:
     effect or print label; value: scale factor / loop count / list index; weight: the matrix of a matmul
     ("w0" a module parameter, "C0" a closed-over constant); items: the list passed to a region taking one.
+    kind "random": dropout, checkpointed or not (op: an entry of RANDOM).
     """
 
     kind: str
@@ -278,7 +288,8 @@ class ProgramSpec:
         for _, body in self.bodies():
             for s in body.stmts:
                 found.add(f"effect:{s.op}" if s.kind == "effect" else f"{s.kind}:{s.op}"
-                          if s.kind in ("print", "item", "change", "buffer", "bufread", "mutate", "child")
+                          if s.kind in ("print", "item", "change", "buffer", "bufread", "mutate", "child",
+                                        "random")
                           else s.kind)
                 if (s.kind, s.op) == ("blocks", "call"):
                     found.add("blocks called as modules")

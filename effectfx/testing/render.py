@@ -18,6 +18,7 @@ from .program import (
     MATMUL,
     MUTATIONS,
     PRINTS,
+    RANDOM,
     REDUCE,
     UNARY,
     Body,
@@ -60,6 +61,8 @@ def _stmt_lines(spec: ProgramSpec, s: Stmt, module_ref: str | None, arguments: s
         return [f"{out} = {a} * 1.0", f"{out}.{s.op}_({s.value!r})"]
     if s.kind == "detach":
         return [f"{out} = {a}.detach()"]
+    if s.kind == "random":
+        return [f"{out} = {RANDOM[s.op].format(a=a)}"]
     if s.kind == "item":
         return [f"{out} = {ITEMS[s.op].format(j=int(s.value))}"]
     if s.kind == "change":

@@ -822,10 +822,7 @@ class TestInvokeSubgraphCompile:
         assert region_calls(prog.forward.graph_module) == ["subgraph_0", "subgraph_0", "subgraph_1"]
         assert prog.backward.region_traces == {"subgraph_0": 1, "subgraph_1": 1}
 
-    @pytest.mark.xfail(strict=True, reason="activation checkpointing with a random op: "
-                       "backward recomputes dropout with a fresh draw from the global generator instead of "
-                       "replaying the forward's RNG state, so gradients differ from eager's")
-    def test_ac_rng(self):
+    def test_ac_rng(self):  # the recompute replays the forward's draws (Note [Random numbers])
         def fn1(x):
             return torch.cos(nn.functional.dropout(x, p=0.5))
 
