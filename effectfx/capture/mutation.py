@@ -16,7 +16,7 @@ wrote; the written tensors are then rebound to those results.  Four shapes of op
   it runs the op on clones of what it writes and returns the op's results, then those clones.
 
 An op with no functional form (``bernoulli_``) stays in place when it writes one fresh tensor nothing else
-aliases and returns it; anything else is refused (``Tracer._functionalize``).
+aliases and returns it; anything else is refused (:func:`functional_target`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, can_auto_functionalize
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..errors import UnsupportedMutationError
+from ..graph.source import user_location
 
 aten = torch.ops.aten
 AUTO_FUNCTIONALIZED = auto_functionalized
@@ -159,3 +162,44 @@ def mutation_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Mutat
         n = len(func._schema.returns)
         return _make(functional, written, True, [(n + k,) for _, _, k, _ in written])
     return _make(None, written, False, in_place)
+
+
+def functional_target(tracer: Any, func: Any, mutation: Mutation, key: str | None) -> Any:
+    """The op to record for an in-place call (Note [Mutations]), or an UnsupportedMutationError."""
+    for name, tensor in mutation.written:
+        node = tracer.builder.values.get(id(tensor))
+        root = tracer.base_of.get(id(tensor), tensor)
+        root_node = tracer.builder.values.get(id(root))
+        aliased = root is not tensor or bool(tracer.views_of.get(id(tensor)))
+        an_input = any(n is not None and n.op == "placeholder" for n in (node, root_node))
+        problem = None
+        if key is not None:
+            problem = "an effectful op that mutates its arguments"
+        elif mutation.target is None and an_input:
+            ph = next(n for n in (node, root_node) if n is not None and n.op == "placeholder")
+            problem = (f"an in-place op ({func}) with no functional form on "
+                       f"{tracer.builder.describe_input(ph)} (its argument {name!r})")
+        elif mutation.target is None and id(root) in tracer.literals:
+            problem = (f"an in-place op ({func}) with no functional form on a torch.tensor(...) literal "
+                       f"(its argument {name!r}), which would change the literal for the next call")
+        elif aliased and mutation.target is None:  # no functional form to write the aliases with
+            problem = (f"an in-place op ({func}) with no functional form on a tensor that "
+                       f"{'is a view of another' if root is not tensor else 'has views'} (its argument "
+                       f"{name!r})")
+        elif tensor._is_view() and root is tensor:
+            problem = f"an in-place op ({func}) on a view whose base effectfx never saw"
+        elif mutation.overlap is not None:
+            problem = (f"an op ({func}) that writes into its argument {mutation.overlap[0]!r} while its "
+                       f"argument {mutation.overlap[1]!r} shares that memory")
+        elif mutation.target is None and (len(mutation.written) != 1 or not returns_written(func, name)):
+            problem = f"an op ({func}) that writes into its argument {name!r}"
+        if problem:
+            raise UnsupportedMutationError(
+                f"{tracer.where()} contains {problem} at {user_location()}.\n"
+                "effectfx records in-place ops as functional ones (inputs and buffers are written back "
+                "after the call). Use the out-of-place op (e.g. x = x + y instead of x.add_(y)), or "
+                "clone() the tensor first."
+            )
+    # no functional form (bernoulli_ in dropout, say): the in-place op stays, on a fresh intermediate
+    # nothing else aliases, so running it in graph order is indistinguishable from a functional op
+    return mutation.target or func

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..effects import effect_of
-from ..errors import DataDependentControlFlowError, EffectfxError, UnsupportedMutationError
+from ..errors import DataDependentControlFlowError, EffectfxError
 from ..graph.source import user_location
 from ..graph.traced import TensorMeta
 from ..guards.labels import LabelMode, has_sentinel, resolve_labels
@@ -32,7 +32,7 @@ from ..regions.cache import RegionCache
 from .constants import UNKNOWN, Constants
 from .fakes import SYMBOLIC_FAKES, fake_maker, symbolic_context
 from .graph_builder import GraphBuilder
-from .mutation import AUTO_FUNCTIONALIZED, Mutation, by_name, mutation_of, returns_written
+from .mutation import AUTO_FUNCTIONALIZED, Mutation, by_name, functional_target, mutation_of
 from .unsupported import fake_failure
 
 aten = torch.ops.aten
@@ -239,7 +239,7 @@ class Tracer(TorchDispatchMode):
                 self.label_mode, builder.labels, key is not None, (args, kwargs),
                 (node_args, node_kwargs))
         mutation = mutation_of(func, args, kwargs)
-        target = func if mutation is None else self._functionalize(func, mutation, key)
+        target = func if mutation is None else functional_target(self, func, mutation, key)
         mutated = list(mutation.written) if mutation is not None else []
         out = composite.take() if composite.pending is not None else self._run_fake(func, args, kwargs, key)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -264,7 +264,8 @@ class Tracer(TorchDispatchMode):
         elif func is _LIFT_FRESH:
             # torch.tensor(data): data torch made for this call alone, lifted as a program constant. The
             # result stands for it: written functionally, never written back (the next call must see the
-            # literal again); an in-place op with no functional form on it is refused (_functionalize)
+            # literal again); an in-place op with no functional form on it is refused
+            # (mutation.functional_target)
             self.literals.add(id(out))
         elif getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
             if not (func is _DETACH and fresh is not None and fresh[0] is args[0]
@@ -304,46 +305,6 @@ class Tracer(TorchDispatchMode):
                     root_node, list(view.shape), list(view.stride()), view.storage_offset()))
                 builder.bind(view, alias)
                 alias.meta["val"] = view
-
-    def _functionalize(self, func: Any, mutation: Mutation, key: str | None) -> Any:
-        """The op to record for an in-place call (Note [Mutations]), or an UnsupportedMutationError."""
-        for name, tensor in mutation.written:
-            node = self.builder.values.get(id(tensor))
-            root = self.base_of.get(id(tensor), tensor)
-            root_node = self.builder.values.get(id(root))
-            aliased = root is not tensor or bool(self.views_of.get(id(tensor)))
-            an_input = any(n is not None and n.op == "placeholder" for n in (node, root_node))
-            problem = None
-            if key is not None:
-                problem = "an effectful op that mutates its arguments"
-            elif mutation.target is None and an_input:
-                ph = next(n for n in (node, root_node) if n is not None and n.op == "placeholder")
-                problem = (f"an in-place op ({func}) with no functional form on "
-                           f"{self.builder.describe_input(ph)} (its argument {name!r})")
-            elif mutation.target is None and id(root) in self.literals:
-                problem = (f"an in-place op ({func}) with no functional form on a torch.tensor(...) literal "
-                           f"(its argument {name!r}), which would change the literal for the next call")
-            elif aliased and mutation.target is None:  # no functional form to write the aliases with
-                problem = (f"an in-place op ({func}) with no functional form on a tensor that "
-                           f"{'is a view of another' if root is not tensor else 'has views'} (its argument "
-                           f"{name!r})")
-            elif tensor._is_view() and root is tensor:
-                problem = f"an in-place op ({func}) on a view whose base effectfx never saw"
-            elif mutation.overlap is not None:
-                problem = (f"an op ({func}) that writes into its argument {mutation.overlap[0]!r} while its "
-                           f"argument {mutation.overlap[1]!r} shares that memory")
-            elif mutation.target is None and (len(mutation.written) != 1 or not returns_written(func, name)):
-                problem = f"an op ({func}) that writes into its argument {name!r}"
-            if problem:
-                raise UnsupportedMutationError(
-                    f"{self.where()} contains {problem} at {user_location()}.\n"
-                    "effectfx records in-place ops as functional ones (inputs and buffers are written back "
-                    "after the call). Use the out-of-place op (e.g. x = x + y instead of x.add_(y)), or "
-                    "clone() the tensor first."
-                )
-        # no functional form (bernoulli_ in dropout, say): the in-place op stays, on a fresh intermediate
-        # nothing else aliases, so running it in graph order is indistinguishable from a functional op
-        return mutation.target or func
 
     def _bind_written(self, out: Any, node: fx.Node, mutation: Mutation) -> None:
         """Rebind each tensor a mutation wrote to its new value, where ``mutation.paths`` puts it in the
