@@ -300,3 +300,28 @@ def test_outputs_of_one_region_call_do_not_cover_each_other() -> None:
             (grad,) = torch.autograd.grad(out.sum(), [x])
         assert log == []
         torch.testing.assert_close(grad, x.cos())
+
+
+class _ReturnsItsInput(nn.Module):
+    """Its input as is, and a layer of its detached copy (a fuzzed program's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x, self.lin(x.detach())
+
+
+@pytest.mark.parametrize("use", [0, 1])
+def test_a_retrace_that_drops_a_detach_runs_the_same_forward(use: int) -> None:
+    """A backward of one output keeps fewer ``detach`` nodes than the full one (no computation below
+    autograd): it is the same forward, not refused, and its gradients are eager's."""
+    torch.manual_seed(0)
+    model, x = _ReturnsItsInput(), torch.randn(2, 4, requires_grad=True)
+    wrt = (x,) if use == 0 else tuple(model.parameters())
+    eager = torch.autograd.grad(model(x)[use].sum(), wrt)
+    compiled = efx.compile(model)
+    for _ in range(2):
+        got = torch.autograd.grad(compiled(x)[use].sum(), wrt)
+        assert all(torch.equal(a, b) for a, b in zip(got, eager))

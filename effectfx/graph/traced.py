@@ -214,15 +214,29 @@ def saved_positions(full: tuple[tuple[str, TensorMeta], ...], part: tuple[tuple[
 def same_forward(full: fx.GraphModule, part: fx.GraphModule, where: str) -> None:
     """Check that a retrace's forward is the first trace's (Note [Partial backward]): every node it kept
     (it drops what only the full backward needed) is the node of that name in ``full``, same op, same
-    arguments -- constants included, which names alone would not show."""
+    arguments -- constants included, which names alone would not show.  A ``detach`` is no computation in
+    a graph that runs below autograd, and a retrace that needs fewer gradients keeps fewer of them: both
+    sides are compared as if each ``detach`` were its argument."""
     nodes = {n.name: n for n in full.graph.nodes}
     for node in part.graph.nodes:
-        twin = nodes.get(node.name)
-        if node.op == "output":
+        if node.op == "output" or node.target is _DETACH:
             continue
-        if twin is None or (twin.op, twin.target, repr(twin.args), repr(twin.kwargs)) != (
-                node.op, node.target, repr(node.args), repr(node.kwargs)):
+        twin = nodes.get(node.name)
+        if twin is None or (twin.op, twin.target, _args_text(twin), repr(twin.kwargs)) != (
+                node.op, node.target, _args_text(node), repr(node.kwargs)):
             raise_changed(where)
+
+
+_DETACH = torch.ops.aten.detach.default
+
+
+def _args_text(node: fx.Node) -> str:
+    def through_detach(arg: Any) -> Any:
+        while isinstance(arg, fx.Node) and arg.target is _DETACH:
+            arg = arg.args[0]
+        return arg
+
+    return repr(fx.node.map_arg(node.args, through_detach))
 
 
 def raise_changed(where: str) -> None:
