@@ -35,8 +35,9 @@ HOOK_FEATURES = [
 
 
 @functools.cache
-def sample(n: int = 300, exclude: tuple[str, ...] = ()) -> list[ProgramSpec]:
-    """The first ``n`` programs hypothesis generates (no shrinking, deterministic)."""
+def sample(n: int = 300, exclude: tuple[str, ...] = ("noted", "shifted")) -> list[ProgramSpec]:
+    """The first ``n`` programs hypothesis generates (no shrinking, deterministic); without efx.callback's
+    statements by default (tests/test_fuzz.py covers them), so the hooks drawn stay those counted here."""
     found: list[ProgramSpec] = []
 
     @settings(max_examples=n, database=None, deadline=None, derandomize=True, phases=[Phase.generate],
