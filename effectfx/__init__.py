@@ -17,6 +17,7 @@ from .drivers.compile import compile
 from .effects import effect_of, register_effect
 from .errors import (
     BackendError,
+    CallbackError,
     CaptureError,
     CaptureSideEffectWarning,
     DataDependentControlFlowError,
@@ -28,6 +29,7 @@ from .errors import (
     RegionEffectsChangedError,
     RegionRecursionError,
     RegistryError,
+    SerializationError,
     SignatureMismatchError,
     UnfaithfulPrintWarning,
     UnsupportedMutationError,
@@ -36,6 +38,7 @@ from .errors import (
     UnsupportedReturnError,
     VerificationError,
 )
+from .interposers.callback import TensorSpec, callback, effect
 from .passes.dce import dead_code_elimination
 from .passes.remove_tokens import remove_effect_tokens
 from .passes.unlift import unlift_tokens
@@ -68,13 +71,14 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 __all__ = [
-    "BackendError", "CaptureError", "CaptureSideEffectWarning", "CompiledCallable",
+    "BackendError", "CallbackError", "CaptureError", "CaptureSideEffectWarning", "CompiledCallable",
     "DataDependentControlFlowError", "EffectfxError",
     "FreeTensorError", "MissingFakeImplError", "PartialBackwardError", "Program", "RegionEffectsChangedError",
-    "RegionRecursionError", "RegistryError", "SignatureMismatchError", "TrainingProgram",
+    "RegionRecursionError", "RegistryError", "SerializationError", "SignatureMismatchError", "TensorSpec",
+    "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "EffectfxWarning",
     "UnfaithfulPrintWarning", "UnsupportedOperatorError", "UnsupportedParallelWrapperError", "capture",
-    "compile",
+    "compile", "callback", "effect",
     "effect_of", "explain", "Explanation", "mark_dynamic", "mark_static", "ops", "region", "register_effect",
     "dead_code_elimination", "load", "log_compiles", "remove_effect_tokens", "unlift_tokens", "verify",
 ]

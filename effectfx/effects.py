@@ -72,14 +72,19 @@ def _op_exists(qualname: str) -> bool:
     return True
 
 
+def check_key(key: Any, who: str) -> None:
+    """Refuse ``key`` unless it is an effect key (``who``: the call that was given it, for the message)."""
+    if not isinstance(key, str) or not _KEY_PATTERN.match(key):
+        raise RegistryError(
+            f"{who}: bad effect key {key!r}. A key is a non-empty string such as "
+            "'ordered', 'memory' or 'collective:tp' (letters, digits, '_', '.', ':', '-')."
+        )
+
+
 def register_effect(op: OpLike, key: str = DEFAULT_KEY) -> EffectHandle:
     """Mark ``op`` as effectful on ``key``: effectfx keeps its calls in order with the others of that key."""
     qualname = _qualname(op)
-    if not isinstance(key, str) or not _KEY_PATTERN.match(key):
-        raise RegistryError(
-            f"register_effect({qualname!r}): bad effect key {key!r}. A key is a non-empty string such as "
-            "'ordered', 'memory' or 'collective:tp' (letters, digits, '_', '.', ':', '-')."
-        )
+    check_key(key, f"register_effect({qualname!r})")
     if not _op_exists(qualname):
         raise RegistryError(
             f"register_effect: no operator {qualname!r} is defined. Define it with "

@@ -75,6 +75,16 @@ class BackendError(EffectfxError):
     """A program cannot be handed to the requested backend."""
 
 
+class SerializationError(EffectfxError):
+    """A program cannot be saved in (or loaded from) the effectfx program format."""
+
+
+class CallbackError(EffectfxError):
+    """``efx.callback`` cannot run its function the same way compiled and eager: an argument that is neither a
+    tensor nor a plain value, a function closing over a traced tensor, a result unlike ``result_shape``, a
+    function a program file or this process cannot find by its name."""
+
+
 class EffectfxWarning(UserWarning):
     """Base class of every warning effectfx issues: something was captured, but not as eager runs it."""
 

@@ -167,6 +167,7 @@ FEATURES = [
     "bufread:use", "bufread:bnstat", "bufread:bnprint", "bn", "mutate:add", "mutate:mul", "mutate:view",
     "input updated in place", "region updates its argument", "region updates buffers",
     "blocks update their own buffers", "random:dropout", "random:checkpoint", "random:fresh",
+    "effect:noted", "effect:shifted",
 ]
 
 
@@ -185,9 +186,14 @@ def sample(n: int = 300, **kwargs: object) -> list[ProgramSpec]:
     return found
 
 
+# efx.callback's statements (Note [Callbacks]), counted apart: any new statement redraws the whole
+# derandomized sample, and the rarest features (reads of a BatchNorm's state) came out of the one without
+CALLBACKS = ("noted", "shifted")
+
+
 def test_generator_covers_every_feature() -> None:
     seen: Counter[str] = Counter()
-    for spec in sample(300):
+    for spec in sample(300, exclude=CALLBACKS) + sample(300):
         seen.update(spec.features())
     missing = [f for f in FEATURES if seen[f] == 0]
     assert not missing, f"never generated: {missing}\n{seen}"

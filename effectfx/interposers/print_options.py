@@ -72,12 +72,12 @@ def warn_unfaithful(message: str, caller: types.FrameType | None = None) -> None
     warnings.warn_explicit(f"{message} (at {where}).", UnfaithfulPrintWarning, filename, lineno)
 
 
-def emit(tracer: Any, op: Any, args: tuple) -> None:
+def emit(tracer: Any, op: Any, args: tuple) -> Any:
     """Record ``op(*args)`` as the tracer's, as if the user's Python had called no op at all: eager's
     ``print`` and ``set_printoptions`` are not ops, so no dispatch mode of the user's code (selective
     checkpointing's, which would cache the op and skip it in the recompute), no ``torch.func`` transform
     (which has no rule for it) and no autograd (the op returns nothing) may see it -- ``args`` hold the
-    plain tensors inside functorch's wrappers."""
+    plain tensors inside functorch's wrappers.  Returns the op's (fake) result."""
     modes = _get_current_dispatch_mode_stack()
     at = next((i for i, m in enumerate(modes) if m is tracer), len(modes) - 1)
     with contextlib.ExitStack() as stack:
@@ -85,7 +85,7 @@ def emit(tracer: Any, op: Any, args: tuple) -> None:
             stack.enter_context(_pop_mode_temporarily())
         stack.enter_context(torch._C._DisableFuncTorch())
         stack.enter_context(torch._C._AutoDispatchBelowAutograd())
-        op(*args)
+        return op(*args)
 
 
 # -- the effect ops --------------------------------------------------------------------------------------

@@ -37,8 +37,10 @@ lifted tensors (parameters and buffers) and any tensor attribute of a graph.
 Lifted parameters are saved **by value**: the loaded program owns copies and is tied to no module.
 
 Loading executes no code from the file: call targets resolve only to registered ``torch.ops`` operators
-(checked to be an ``OpOverload``) or to the allow-list :data:`PYTHON_TARGETS`.  A subgraph shared by many call
-sites is saved once and stays shared after loading.
+(checked to be an ``OpOverload``) or to the allow-list :data:`PYTHON_TARGETS`; an op of a family in
+:data:`OP_FAMILIES` (``efx.callback``'s, one per effect key) is defined by its family's code, which checks
+its calls (a callback's function is found by name in a module the process imported).  A subgraph shared by
+many call sites is saved once and stays shared after loading.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ import json
 import math
 import operator
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +60,7 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
 from .. import ops
-from ..errors import EffectfxError
+from ..errors import SerializationError
 from ..graph.build import Graph, graph_module
 from ..graph.symbols import SIZE_TARGETS, SYM_TYPES
 from ..graph.traced import Kind, OutputKind, OutputLeaf, TensorMeta
@@ -78,11 +82,25 @@ _ENUMS: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-class SerializationError(EffectfxError):
-    """A program cannot be saved in (or loaded from) the effectfx program format."""
-
-
 # -- saving ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpFamily:
+    """The ops of one namespace, defined on first use by name (``effectfx.interposers.callback_op``: one op
+    per effect key).  A file naming one defines it again (``define(op name)``) before resolving it;
+    ``on_save(node)`` and ``on_load(args)`` refuse a call the file cannot hold or this process cannot run."""
+
+    define: Callable[[str], Any]
+    on_save: Callable[[fx.Node], None]
+    on_load: Callable[[tuple], None]
+
+
+OP_FAMILIES: dict[str, OpFamily] = {}  # op namespace -> its family
+
+
+def _family(target: Any) -> OpFamily | None:
+    return OP_FAMILIES.get(target.namespace) if isinstance(target, torch._ops.OpOverload) else None
+
+
 class _Saver:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -152,6 +170,8 @@ class _Saver:
         target: Any = node.target
         if node.op == "call_function":
             target = _target_name(target, node)
+            if (family := _family(node.target)) is not None:
+                family.on_save(node)
         val = node.meta.get("val")
         return {"name": node.name, "op": node.op, "target": target,
                 "args": [_value(a) for a in node.args],
@@ -291,6 +311,8 @@ def _load_target(name: str) -> Any:
         raise SerializationError(f"call target {name!r} is neither a torch operator nor allowed.")
     ns, rest = name.split("::", 1)
     op_name, overload = rest.rsplit(".", 1)
+    if ns in OP_FAMILIES:
+        OP_FAMILIES[ns].define(op_name)
     try:
         op = getattr(getattr(getattr(torch.ops, ns), op_name), overload)
     except (AttributeError, RuntimeError) as e:
@@ -327,6 +349,8 @@ class _Loader:
             target = _load_target(n["target"]) if n["op"] == "call_function" else n["target"]
             args = tuple(_load_value(a, env) for a in n["args"])
             kwargs = {k: _load_value(v, env) for k, v in n["kwargs"].items()}
+            if n["op"] == "call_function" and (family := _family(target)) is not None:
+                family.on_load(args)
             if n["op"] == "output":
                 node = graph.output(args[0])
             else:

@@ -5,7 +5,9 @@
   argument shows up in the log;
 * ``efxtest::bump(x, label) -> x + 1`` -- an effect that returns a tensor (key "memory");
 * ``efxtest::scale(x, s) -> x * s`` -- pure forward, but its backward records ``("grad", s)`` on key
-  "memory": an effect that exists only in backward.
+  "memory": an effect that exists only in backward;
+* :func:`noted` and :func:`shifted` -- plain Python functions for ``efx.callback`` (Note [Callbacks]), no op:
+  the first logs a fingerprint of its tensor, the second also returns a tensor (``result_shape=x``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,17 @@ scale.register_autograd(_scale_backward, setup_context=_scale_setup)
 
 efx.register_effect(log_tensor, key="stdout")
 efx.register_effect(bump, key="memory")
+
+
+def noted(x: torch.Tensor, label: str) -> None:
+    """For ``efx.callback(noted, x, label, key=...)``: logs a fingerprint of ``x``."""
+    LOG.append(("noted", label, tuple(x.shape), _fingerprint(x)))
+
+
+def shifted(x: torch.Tensor, label: str) -> torch.Tensor:
+    """For ``efx.callback(shifted, x, label, result_shape=x)``: logs ``x`` and returns ``cos(x) + 1``."""
+    LOG.append(("shifted", label, _fingerprint(x)))
+    return x.cos() + 1
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ program module's children log per-layer (or shared) labels and scale what they r
 ``make`` or between two calls of a sequence -- and then also on the program module itself (``_hooks``).
 Rarely the root updates an input that is a leaf requiring grad: such a program must be refused.  Region
 ``i`` may only call regions ``j > i`` and nesting is at most :data:`~effectfx.testing.program.MAX_DEPTH`
-deep, so there is no recursion.
+deep, so there is no recursion.  Effect statements also call Python functions through ``efx.callback``
+(Note [Callbacks]): ``effect_ops.noted`` on "ordered", ``effect_ops.shifted`` with a result on "stdout".
 
 The description and its source are ``effectfx.testing.program`` (printed by ``render``); running is
 ``effectfx.testing.checking`` (and ``sequence``), minimizing ``effectfx.testing.shrinking``.

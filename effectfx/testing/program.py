@@ -121,9 +121,14 @@ EFFECT_OPS: dict[str, list[tuple[str, str, bool]]] = {
     "ordered": [  # effectfx.testing.fuzz_ops
         ("ping", 'torch.ops.efxfuzz.ping({a}, "{label}")', False),  # never registered, returns nothing
         ("logged", 'torch.ops.efxfuzz.logged({a}, "{label}")', True),  # CompositeImplicitAutograd kernel
+        # efx.callback (Note [Callbacks]): of a Python function, no op; the second on a key of its own
+        ("noted", 'efx.callback(effectfx.testing.effect_ops.noted, {a}, "{label}")', False),
+        ("shifted", 'efx.callback(effectfx.testing.effect_ops.shifted, {a}, "{label}", key="stdout", '
+                    'result_shape={a})', True),
     ],
 }
-TENSOR_EFFECTS = frozenset({"bump", "scale", "log_tensor", "ping", "logged"})  # effect ops reading ``a``
+# effect ops reading ``a``
+TENSOR_EFFECTS = frozenset({"bump", "scale", "log_tensor", "ping", "logged", "noted", "shifted"})
 CALL_KINDS = ("call", "unused", "chain", "loop", "nograd")
 REGION_STYLES = ("method", "module_fn", "function")
 
