@@ -59,6 +59,17 @@ class RegionEffectsChangedError(CaptureError):
     """A region showed a different effect set on a later trace of the same cache key."""
 
 
+class PythonStateError(CaptureError):
+    """Captured code writes Python state a compiled program cannot replay after each call (an object it
+    made that holds its tensors, a value that changes on every call, a write in a backward or a branch):
+    Note [Python state] (``effectfx.capture.python_state``)."""
+
+
+class FakeTensorLeakError(CaptureError):
+    """A fake tensor of a capture is still reachable from the user's objects after it (Note [Python
+    state])."""
+
+
 class PartialBackwardError(EffectfxError):
     """A loaded training program's backward was asked for some of its outputs only."""
 

@@ -184,6 +184,10 @@ caller's later code reads the new tensors), and the root's caller does so after 
 (``Program.finish``), keeping the caller's objects: ``outputs.past_key_values is cache``, as in eager.  A
 change that puts anything but tensors and plain values into an argument is refused.
 
+*Python state.*  What the code writes into state it reaches but is not handed -- a module's attributes, a
+hook's list, a global dict -- is written again after every call with the call's values, and no fake of a
+capture is left there: Note [Python state] (``effectfx.capture.python_state``).
+
 Note [Symbolic shapes]
 ~~~~~~~~~~~~~~~~~~~~~~
 A capture may take some sizes of its arguments as *symbols*: its fake tensors then come from a fake mode with

@@ -18,11 +18,15 @@ from ..guards.hooks import GLOBAL
 from ..guards.identity import code_reads
 from ..guards.kinds import Guard, Hooks
 from ..guards.reads import Reads, recording, report_read
+from ..guards.values import plain_value
 from ..interposers.collectives import refuse_parallel_wrappers
 from ..interposers.training_step import TrainingStep, training_step
 from ..program.containers import register_tensor_holders
+from ..program.python_writes import PythonState
 from ..program.records import InputSignature, alias_pattern
 from .arguments import check_containers_unchanged, leaf_names, with_written_state
+from .leaks import check_leaks, code_roots, global_hook_roots, reachable
+from .python_state import Journal
 from .session import CaptureSession
 from .shapes import Dynamic
 from .trace import Scope, trace_graph
@@ -43,6 +47,7 @@ class RootTrace:
     step: TrainingStep
     reads: Reads
     written_args: tuple
+    python: PythonState | None  # the Python state it writes (Note [Python state])
 
 
 def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: Callable[..., Any],
@@ -78,12 +83,24 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
                     scope.add_input(names[i], OperandSource(SourceKind.ARG, i), fake)
                     new_leaves[i] = scope.writable(fake, nonleaf=not leaf.is_leaf)
         call_args, call_kwargs = tree_unflatten(new_leaves, spec)
+        roots = _state_roots(target, owner, leaves, names)
+        journal = Journal(tracer, reads, "the captured function", root=True)  # Note [Python state]
+        journal.start(roots)
         with training_step(tracer, [owner, *leaves, *closure]) as step:  # Note [Training step]
             run, written = with_written_state(fn, call_args, call_kwargs)
-            traced = trace_graph(scope, step.wrap(run), "the captured function", "Root", target, grad_outputs)
+            with journal:
+                traced = trace_graph(scope, step.wrap(journal.wrap(run)), "the captured function", "Root",
+                                     target, grad_outputs)
+                if traced.backward is not None:
+                    journal.check_unchanged("while its backward is derived (a backward hook?)")
         check_containers_unchanged("the captured function", target, written.before, call_args, call_kwargs,
                                    written.positions)
+        watched = [(obj, type(obj).__name__, None) for obj, _ in tracer.watcher.watched.values()]
         hook_guards = _hook_guards(owner, leaves, tracer.watcher.watched.values())
+    # no fake of the trace is left where the user can reach it (Note [Python state])
+    others = [*watched, *((opt, type(opt).__name__, None) for opt, _, _ in step.optimizers.values()),
+              *((a, "an argument", None) for a in (*args, *kwargs.values()) if isinstance(a, (list, dict)))]
+    check_leaks([*journal.found(), *reachable(others, owned=True, seen=set(journal.known))])
     _refuse_written_views(traced, leaves, names)
     tensor_meta = tuple((s.index, m) for s, m in zip(traced.sources, traced.input_meta)
                         if s.kind is SourceKind.ARG)
@@ -94,7 +111,18 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
         shape_guards=shape_guards(tracer, [tracer.fake_of[id(leaves[i])] for i, _ in tensor_meta]),
     )
     guards = (*[g for g in reads.guards.values() if not step.replaces(g.path)], *hook_guards, *step.guards)
-    return RootTrace(tracer, traced, leaves, spec, names, signature, guards, step, reads, written.positions)
+    return RootTrace(tracer, traced, leaves, spec, names, signature, guards, step, reads, written.positions,
+                     journal.state())
+
+
+def _state_roots(target: Any, owner: Any, leaves: list[Any], names: list[str]) -> list[tuple[Any, str, Any]]:
+    """Where the Python state the code may write is found: the module (or object) it is a method of, its
+    other arguments, what its closure and globals hold, what torch's global module hooks hold."""
+    roots = [(leaf, f"argument {names[i]!r}", None) for i, leaf in enumerate(leaves)
+             if not isinstance(leaf, torch.Tensor) and not plain_value(leaf)]
+    if owner is not None:
+        roots.insert(0, (owner, type(owner).__name__, None))
+    return [*roots, *code_roots(target, "the captured function"), *global_hook_roots()]
 
 
 def _param_names(fn: Any) -> dict[int, str]:

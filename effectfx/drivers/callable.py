@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture.shapes import Dynamic, ShapeCache, erased
-from ..errors import BackendError, UnsupportedOperatorError
+from ..errors import BackendError, PythonStateError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.traced import TensorMeta
 from ..guards.check import GuardChecker
@@ -203,6 +203,7 @@ class CompiledCallable:
         self._slots: dict[int, Slot] = {}
         self._children: list[tuple[dict, str, torch.nn.Module]] = []  # (parent._modules, name, child)
         self._state_readers: list[Callable[[], Any]] | None = None
+        self._changes: dict[Any, tuple[list[Any], list[Any]]] = {}  # plain state programs change, by path
         self.__wrapped__ = fn
 
     def _tensor_slots(self) -> dict[int, Slot]:
@@ -325,6 +326,7 @@ class CompiledCallable:
     def _compile(self, args: tuple, kwargs: dict, dynamic: Dynamic | None = None) -> CompiledEntry:
         start = time.perf_counter()
         traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions, dynamic=dynamic)
+        self._refuse_changing_state(traced.forward if isinstance(traced, TrainingProgram) else traced)
         program = run_passes(traced, BACKEND_PASSES[self.backend])
         if not isinstance(program, TrainingProgram):
             program = run_passes(program, INFERENCE_PASSES[self.backend])
@@ -342,6 +344,25 @@ class CompiledCallable:
             seconds,
             forward.guards,
         )
+
+    def _refuse_changing_state(self, forward: Program) -> None:
+        """A plain value in Python state its programs change from the value an earlier program wrote to one
+        none started from (a counter: 0 -> 1, then 1 -> 2) would make a program per call: refused at the
+        second capture (Note [Python state]); a flag set once, or a value toggled, captures once more."""
+        state = forward.python_state
+        for path, before, after, what, line in state.changes if state is not None else ():
+            befores, afters = self._changes.setdefault(path, ([], []))
+            if before in afters and after not in befores and after not in afters:
+                raise PythonStateError(
+                    f"efx.compile'd {self._name()!r} changes {what} on every call (from {before!r} to "
+                    f"{after!r} now, from {befores[afters.index(before)]!r} to {before!r} at the call "
+                    f"before){f' at {line}' if line else ''}: a compiled program writes it with the value "
+                    "of its capture, so each call would capture a new program (Note [Python state]).\n"
+                    "Keep the value in a tensor (a buffer: `self.calls += 1` on a tensor is written back "
+                    "with each call's value), or change it outside the compiled call."
+                )
+            befores.append(before)
+            afters.append(after)
 
     def _name(self) -> str:
         return type(self._module).__name__ if self._module is not None else getattr(self.fn, "__name__", "fn")
@@ -380,7 +401,7 @@ class CompiledCallable:
             result = forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
         else:
             result = forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
-        if forward.written_args or forward.state_writes:
+        if forward.written_args or forward.state_writes or forward.python_state is not None:
             return forward.finish(result, args, kwargs)
         return result
 

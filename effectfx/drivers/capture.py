@@ -100,7 +100,7 @@ def _forward(root: RootTrace, record: tuple, name: str) -> Program:
         guards=root.guards, lifted_from=tuple(root.reads.tensor_sources.get(id(t)) for t in lifted),
         specialized=tuple(tracer.specialized), written_args=root.written_args,
         state_writes=tuple(step.targets),
-        state_holds=GuardChecker(tuple(step.guards)) if step.targets else None,
+        state_holds=GuardChecker(tuple(step.guards)) if step.targets else None, python_state=root.python,
     )
 
 

@@ -164,6 +164,9 @@ class TracedGraph:
     # top-level arguments whose containers the code changed: the result is (out, their new values), which
     # the call site writes into the caller's (Note [Mutations], ``program.containers``)
     written_args: tuple = ()
+    # the Python state a body wrote (``program.python_writes``): the result is then (out, tensors written)
+    # and each call site makes the writes into its own objects (Note [Python state])
+    python_writes: tuple = ()
 
     @property
     def n_outs(self) -> int:

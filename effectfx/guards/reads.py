@@ -7,6 +7,8 @@ lookups report ``(object, name, value)`` to every active :class:`Reads`.  A read
 region body hands the body a :class:`Label` instead, a ``str`` that notices when its value is looked at
 (compared, hashed, formatted, sliced...).  A label that is only ever passed to effectful ops becomes an
 operand of the body (``effectfx.guards.labels``); any other use specializes the body on its value.
+Its attribute writes (``__setattr__``, ``__delattr__``) are reported too: the trace's own values are not
+guarded, and the Python state a trace writes is replayed after each call (Note [Python state]).
 """
 
 from __future__ import annotations
@@ -86,6 +88,31 @@ def report_read(obj: Any, name: Any, value: Any, watch: bool = True) -> Any:
     return value
 
 
+def report_write(obj: Any, name: str) -> None:
+    """Attribute ``name`` of ``obj`` is about to be set or deleted by the code being traced (a watched
+    object's ``__setattr__``/``__delattr__``): a later read of it is the trace's own value, not a fact to
+    guard, and every write observer (``effectfx.capture.python_state``) sees the object before the write."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack:
+        for reads in stack:
+            reads.written.add((id(obj), name))
+    for observer in getattr(_LOCAL, "observers", ()):
+        observer(obj, name)
+
+
+@contextmanager
+def observing(observer: Callable[[Any, str], None]) -> Iterator[None]:
+    """``observer(obj, name)`` is told of every attribute write :func:`report_write` sees on this thread."""
+    observers = getattr(_LOCAL, "observers", None)
+    if observers is None:
+        observers = _LOCAL.observers = []
+    observers.append(observer)
+    try:
+        yield
+    finally:
+        observers.remove(observer)
+
+
 def same_class(cls: type, namespace: dict[str, Any]) -> type:
     """A subclass of ``cls`` with only ``namespace`` of its own, standing in for ``cls`` itself (a recording
     subclass, a compiled module's class): what a base's ``__init_subclass__`` added to it is taken away
@@ -115,7 +142,16 @@ def _watched_class(cls: type) -> type:
                 raise
             return report_read(self, name, value)
 
+        def __setattr__(self: Any, name: str, value: Any) -> None:  # noqa: N807
+            report_write(self, name)
+            cls.__setattr__(self, name, value)
+
+        def __delattr__(self: Any, name: str) -> None:  # noqa: N807
+            report_write(self, name)
+            cls.__delattr__(self, name)
+
         namespace: dict[str, Any] = {"__getattribute__": __getattribute__, "__efx_watched__": cls,
+                                     "__setattr__": __setattr__, "__delattr__": __delattr__,
                                      "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         if base_getattr is not None:
             def __getattr__(self: Any, name: str) -> Any:  # noqa: N807
@@ -181,6 +217,8 @@ class Reads:
         # id(tensor) -> (object, step) it was first read from (the root's: a compiled program reads it
         # there again at each call, so a replaced tensor attribute is seen)
         self.tensor_sources: dict[int, tuple[Any, Any]] = {}
+        # (id(object), attribute) the trace wrote: reading it back reads the trace's own value
+        self.written: set[tuple[int, str]] = set()
 
     def root(self, obj: Any, path: Path) -> None:
         """``obj`` is reachable at ``path`` (an argument of the body); watch what is read from it."""
@@ -193,7 +231,9 @@ class Reads:
 
     def read(self, owner: Any, step: Any, value: Any, innermost: bool = False, watch: bool = True) -> Any:
         path = (*self.path_of(owner), step)
-        if isinstance(value, Label) and not self.structural:
+        if (id(owner), step) in self.written:
+            pass  # what the trace itself wrote (Note [Python state]): nothing the call must hold
+        elif isinstance(value, Label) and not self.structural:
             self.specialize(path, str.__str__(value))  # the root passes the value itself: guard it
         elif isinstance(value, Label):
             value.watch(self, path)

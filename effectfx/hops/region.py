@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_unflatten
 
 from ..capture.arguments import flatten_call
+from ..capture.python_state import replay
 from ..capture.tracer import Tracer
 from ..errors import CaptureError, RegionRecursionError, UnsupportedMutationError, UnsupportedOperatorError
 from ..graph.source import definition, user_location
@@ -200,6 +201,9 @@ def call_region(tracer: Tracer, region: Region, args: tuple, kwargs: dict) -> An
         outs[k] = operands[j]
     out_leaves = [outs[v] if kind is OutputKind.TENSOR else v for kind, v in traced.out_layout]
     result = out_leaves[0] if traced.out_spec.is_leaf() else tree_unflatten(out_leaves, traced.out_spec)
+    if traced.python_writes:  # each call site writes the Python state the body wrote (Note [Python state])
+        result, values = result
+        replay(traced.python_writes, values, leaves)
     if traced.written_args:  # the caller's containers take the states the body left them in
         result, states = result
         for where, new in zip(traced.written_args, states):

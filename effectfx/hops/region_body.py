@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_unflatten
 
 from ..autograd.partition import without_gradients
 from ..capture.arguments import check_containers_unchanged, leaf_names, with_written_state
+from ..capture.leaks import code_roots, global_hook_roots
+from ..capture.python_state import Journal
 from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
 from ..errors import EffectfxError
@@ -70,6 +72,11 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
         else:
             reads.root(leaf, (("leaf", i),))
     body_args, body_kwargs = tree_unflatten(new_leaves, spec)
+    # the Python state the body writes, replayed by each call site (Note [Python state])
+    journal = Journal(tracer, reads, f"region {region.name!r}", root=False)
+    journal.start([*((leaf, f"argument {names[i]!r}", (("leaf", i),)) for i, leaf in enumerate(leaves)
+                     if i not in leafness and not isinstance(leaf, str)),
+                   *code_roots(region.fn, f"region {region.name!r}"), *global_hook_roots()])
     # labels live only in bodies: the root's own calls (and the bookkeeping of its call sites) skip the mode
     label_mode = contextlib.nullcontext() if tracer.region_stack else tracer.label_mode
     tracer.region_stack.append(region)
@@ -82,8 +89,13 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
             run, written = with_written_state(region.fn, body_args, body_kwargs)
-            traced = trace_graph(scope, run, f"region {region.name!r}", region.name, region.fn, grad_outputs)
+            with journal:
+                traced = trace_graph(scope, journal.wrap(run), f"region {region.name!r}", region.name,
+                                     region.fn, grad_outputs)
+                if traced.backward is not None:
+                    journal.check_unchanged("while its backward is derived (a backward hook?)")
             traced.written_args = written.positions
+            traced.python_writes = journal.writes
         check_containers_unchanged(f"region {region.name!r}", region.fn, written.before, body_args,
                                    body_kwargs, written.positions)
     finally:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from ..capture.python_state import refuse_writes
 from ..capture.trace import Scope, trace_graph
 from ..capture.tracer import Tracer
 from ..errors import CaptureError, UnsupportedMutationError, UnsupportedOperatorError
@@ -94,7 +95,8 @@ def trace_subgraph(tracer: Tracer, fn: Any, operands: list[torch.Tensor], what: 
             return leaves
         return grads.run(fakes, scope, leaves, tangent_fakes)
 
-    traced = trace_graph(scope, run, what, class_name)
+    # a branch runs at some calls only, a loop's body any number of times: no Python state written
+    traced = trace_graph(scope, lambda: refuse_writes(run, tracer, what), what, class_name)
     if traced.mutated or any(scope.builder.values.get(id(f)) is not n for _, f, n in scope.free.values()):
         raise UnsupportedMutationError(
             f"{what} updates one of its inputs (or a tensor of the enclosing code) in place, at "

@@ -24,6 +24,7 @@ from ..graph.traced import OutputKind, OutputLeaf, TensorMeta, same_forward, sav
 from ..graph.walk import subgraphs
 from . import serialize
 from .containers import onto_caller, same_objects, value_at, view_outputs, write_into, write_state
+from .python_writes import PythonState
 from .records import BodyInfo, Form, InputSignature, PassRecord, RegionEntry
 from .text import program_text
 
@@ -59,6 +60,9 @@ class Program:
     # whether the Python state the step starts from is still the state it was captured from (its guards;
     # set by the capture driver for a program with state_writes: efx.capture's program refuses otherwise)
     state_holds: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    # Python state the code wrote (Note [Python state]): replayed after each run, the tensors written
+    # after the user's results (before a training step's)
+    python_state: PythonState | None = field(default=None, compare=False, repr=False)
     _views: list = field(default_factory=list, init=False, compare=False, repr=False)  # (view_outputs)
 
     def __post_init__(self) -> None:  # a form, an output's kind, may be given by its name
@@ -114,7 +118,9 @@ class Program:
         return list(results[n_tokens:])
 
     def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        return [*self.signature.bind(args, kwargs, self.name), *self.lifted]
+        lifted = self.lifted if self.python_state is None else self.python_state.lifted(self.lifted,
+                                                                                         self.lifted_from)
+        return [*self.signature.bind(args, kwargs, self.name), *lifted]
 
     def unflatten(self, tensor_outs: list[Any]) -> Any:
         leaves = [tensor_outs[v] if kind is OutputKind.TENSOR else v for kind, v in self.out_layout]
@@ -126,6 +132,9 @@ class Program:
         if self.state_writes:
             result, values = result
             write_state(self.state_writes, values)
+        if self.python_state is not None:
+            result, values = result
+            self.python_state.apply(values)
         if not self.written_args:
             return result
         result, states = result
@@ -177,7 +186,10 @@ class Program:
 
     def check_state(self) -> None:
         """Refuse to run a captured training step on Python state other than the state it was captured
-        from (its first step made the optimizer's state: running it again would make it anew)."""
+        from (its first step made the optimizer's state: running it again would make it anew), or Python
+        state it computed its writes from (Note [Python state])."""
+        if self.python_state is not None:
+            self.python_state.check(self.name)
         if self.state_holds is not None and not self.state_holds():
             raise SignatureMismatchError(
                 f"{self.name!r} is a training step captured when its gradients and optimizer state were "

@@ -119,6 +119,12 @@ class _Saver:
                 "objects after each run (Note [Training step]), which a file cannot hold. Save the model's "
                 "and the optimizer's state_dict() instead, and compile the step again after loading them."
             )
+        if prog.python_state is not None:
+            raise SerializationError(
+                f"{prog.name!r} writes Python state of live objects after each run (Note [Python state]: "
+                f"{', '.join(w.what for w in prog.python_state.writes[:3])}), which a file cannot hold. Save "
+                "the program of code that returns those values instead."
+            )
         if prog.form is not Form.TOKEN_FREE:
             raise SerializationError(
                 f"{prog.name!r} is in the {prog.form} form; only the token-free form is saved. Run "
