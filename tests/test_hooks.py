@@ -103,7 +103,8 @@ def test_equal_hooks_share_a_body_and_different_ones_do_not() -> None:
     assert bodies(compiled_same) == 1  # the same code, closing over the same object
     assert bodies(compiled_named) == 3  # a per-layer name it logs: its own body
     text = str(efx.explain(compiled_named))
-    assert "self.lin: hooks 1 hook -> 1 hook (other functions, or other values they close over)" in text
+    assert "self.lin: hooks 1 hook -> 1 hook (other functions, or other values they close over or name)" \
+        in text
 
 
 def test_a_pre_hook_that_changes_the_input() -> None:

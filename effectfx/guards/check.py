@@ -12,7 +12,8 @@ third call they are compiled (``effectfx.guards.emit``), each kind adding itself
 ``Guard.python_check``): as a tree of torch's C++ guard managers, each distinct prefix read once, then
 straight-line Python for what the tree cannot express (an attribute found missing, an object's state, a
 dict keyed by objects, hooks), then the interpretation for what neither can.  GPT-2's guards cost about
-45 us a call this way.
+50 us a call this way (12 layers: 35 in the tree, 15 in the code, 3 of which say that none of its 176
+modules got an instance ``forward``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ the guards' paths once.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,15 @@ class Tree:
         self.checks.setdefault(read[3], []).append(f"== {value!r}")
         return None
 
+    def keys(self, read: tuple, keys: tuple) -> None:
+        """The dict read has ``keys``, in that order (its type tested first: torch's check of the keys of
+        what is not a mapping would crash)."""
+        if read[3] not in self.typed:
+            read[0].add_type_match_guard(id(type(read[1])), [f"type({read[2]})"], None)
+            self.typed.add(read[3])
+        read[0].add_mapping_keys_guard(dict.fromkeys(keys), [f"list({read[2]}) == {list(keys)!r}"], None)
+        self.checks.setdefault(read[3], []).append(f"keys {list(keys)!r}")
+
     def text(self) -> str:
         """The tree, an accessor a line (indented under the one it reads from), with its checks."""
         children: dict[tuple, list[tuple]] = {}
@@ -126,6 +136,7 @@ class Writer:
         self.of_object: dict[int, str] = {}
         self.reads: dict[tuple, str] = {}  # (variable it reads from, step) -> the variable holding it
         self.empty: list[dict] = []  # dicts that must stay empty, tested together at the end
+        self.lacking: dict[str, list[dict]] = {}  # key -> dicts that must not get it, tested together too
 
     def constant(self, value: Any) -> str:
         name = self.of_object.get(id(value))
@@ -175,10 +186,18 @@ class Writer:
         """``tables`` (a module's hook tables) must stay empty: one ``any`` over all of them, at the end."""
         self.empty.extend(tables)
 
+    def lacks(self, state: dict, key: str) -> None:
+        """``state`` (a module's ``__dict__``) must not get ``key`` (``"forward"``): one ``any`` over every
+        such dict, at the end."""
+        self.lacking.setdefault(key, []).append(state)
+
     def function(self, then: Callable[[], bool] | None = None) -> Callable[[], bool]:
         """The code as a function of no arguments; ``then``: what it returns when every line passed."""
         if self.empty:
             self.fails_if(f"any({self.constant(tuple(self.empty))})")
+        for key, dicts in self.lacking.items():  # (a loop in C: GPT-2's 176 modules cost 3 us)
+            has, key_c = self.helper("_contains", dict.__contains__), self.constant(itertools.repeat(key))
+            self.fails_if(f"any(map({has}, {self.constant(tuple(dicts))}, {key_c}))")
         self.lines.append("return True" if then is None else f"return {self.helper('_then', then)}()")
         source = "def check():\n" + "".join(f"    {line}\n" for line in self.lines)
         namespace = dict(self.names)

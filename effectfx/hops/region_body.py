@@ -28,7 +28,7 @@ from ..graph.traced import (
     same_forward,
     saved_positions,
 )
-from ..guards.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
+from ..guards.identity import autocasting, code_reads, key_labels, leaf_of_key, module_tensors
 from ..guards.labels import raw
 from ..guards.reads import Reads, recording, report_read
 from ..regions.cache import PartialBackward, RegionBody
@@ -90,7 +90,7 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
         tracer.region_stack.pop()
         torch.clear_autocast_cache()
     looked = tracer.label_mode.grad_state_reads > grad_state_reads
-    for path, expect in history_guards(looked, any(ambient()[1:]), leafness).items():
+    for path, expect in history_guards(looked, autocasting(), leafness).items():
         reads.guards.setdefault(path, expect)
     return traced, tuple(reads.guards.values())
 
