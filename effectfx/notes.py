@@ -34,25 +34,29 @@ their one evaluator (``check``), and the words ``efx.explain`` and ``efx.compile
 (``words``); a call site during capture is ``effectfx.hops.region``.  Identity has two halves:
 
   * the *key* -- what every call shows without running anything: ambient state (grad mode; autocast
-    enabled and dtype per device type), the argument structure, every tensor argument's metadata (shape,
-    stride, dtype, device, requires_grad), the value of every non-string argument, and for modules passed
-    in their structure (submodule classes, parameter/buffer metadata by name, and the hooks of every
-    submodule and torch's global ones: a hook by its code and the values it closes over, ``hooks``) --
-    not their attributes;
+    enabled and dtype per device type; whether a profiler is on), the argument structure, every tensor
+    argument's metadata (shape, stride, dtype, device, requires_grad), the value of every non-string
+    argument, and for modules passed in their structure (submodule classes, parameter/buffer metadata by
+    name, and the hooks and instance ``forward`` of every submodule and torch's global hooks: a function
+    by its code, the values it closes over and the globals it names, ``hooks``) -- not their attributes;
   * the *guards* -- what the body's trace read, and only that.  During a capture every object reached
     from a body's arguments (modules, submodules, config objects at any depth) is *watched*
     (``effectfx.guards.reads``: its class is swapped for a recording subclass, on the capturing thread,
     until the capture ends), and each attribute read becomes a guard on the value at its path: a value
     for plain data (``self.config.use_gate == True``), a class for objects, absence for a failed ``getattr``.
-    Closure cells and the globals a body's code names are guarded the same way.  An attribute no trace
-    reads (``layer_idx`` of a layer that never looks at it) never splits bodies.
+    Closure cells and the globals a body's code names are guarded the same way; so is the key order of a
+    module's ``_parameters``, ``_buffers`` or ``_modules`` a trace read (iterating ``parameters()`` or a
+    ``ModuleList``: ``kinds.Keys``).  An attribute no trace reads (``layer_idx`` of a layer that never
+    looks at it) never splits bodies.
 
 A call site reuses the first body with its key whose guards hold on its own arguments; checking a guard
 is itself a read, so an enclosing body (or the root) depends on it too -- every call site watches the
 objects it is passed, also where it reuses a body and no trace ran.  The root's reads are guards of
 the compiled program, by identity: ``efx.compile`` checks them before every run and captures anew when one
 fails (flip ``model.config.use_gate`` between two calls: eager's result and effects on both).  So are the
-hooks of every module the program may run, by identity: a hook registered or removed captures anew.
+hooks and instance ``forward`` of every module the program may run, by identity, with the closure cells and
+globals their code names: a hook registered or removed, ``mod.forward = types.MethodType(f, mod)``, or
+rebinding a global ``hook_fn`` a hook calls captures anew (``tests/test_rebinding.py``).
 
 *Labels.*  A ``str`` a body reads (an attribute, or a string argument) is handed to it as a ``Label``, a
 ``str`` that notices any use of its value.  A label only ever passed to effectful ops becomes an operand:
@@ -60,6 +64,9 @@ the body gets a placeholder, each call site passes its own string, one body serv
 ``record_memory("forward", self.name)``.  Any other use -- comparison, hashing, formatting, slicing, a
 method, a non-effect op, a backward formula, being returned, or turning up inside another string the body
 bakes in (``"/".join(...)`` reads it in C) -- *specializes*: the value is baked back in and guarded.
+So is a string a forward hook of a module the body is passed closes over or has as a default
+(``effectfx.guards.hooks.hook_labels``: ``lambda m, a, o, n=f"attn{i}": record(n)`` on every layer is one
+body); its path goes through the module's hook table to the hook's cell or default.
 Numbers are never labels: CPython reads an int in C (``range(n)``, ``xs[i]``) without calling any of its
 methods, so a use could not be seen.
 

@@ -5,6 +5,7 @@ under changes that break each kind of guard, and generated guards over generated
 from __future__ import annotations
 
 import collections
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import effectfx.testing  # noqa: F401  (registers the efxtest:: ops)
 from effectfx.guards import kinds
 from effectfx.guards.check import GuardChecker, failed_guards, guards_hold
 from effectfx.guards.hooks import GLOBAL
-from effectfx.guards.kinds import Absent, Equals, Guard, Hooks, IsStr, OfType, SameObject, guard_on
+from effectfx.guards.kinds import Absent, Equals, Guard, Hooks, IsStr, Keys, OfType, SameObject, guard_on
 from effectfx.guards.values import MISSING, Ref
 from effectfx.testing import hf
 
@@ -44,6 +45,9 @@ CHANGES: dict[str, Callable[[torch.nn.Module], None]] = {
     "a tuple value": lambda m: setattr(m.transformer.ln_f, "normalized_shape", (32,)),
     "a layer's name": lambda m: setattr(m.transformer.h[0], "name", "renamed"),
     "training mode": lambda m: m.eval(),
+    "an instance forward assigned": lambda m: (lambda mlp: setattr(mlp, "forward", types.MethodType(
+        lambda self, x: type(self).forward(self, x), mlp)))(m.transformer.h[1].layer.mlp),
+    "the layers reordered": lambda m: (lambda t: t.update({"0": t.pop("0")}))(m.transformer.h._modules),
 }
 
 
@@ -123,6 +127,8 @@ def test_generated_guards_agree_with_the_loop(root: Obj, paths: list[list[str]],
         plain = not isinstance(value, (Obj, dict, Mod))
         at = (("id", Ref(root)), *steps)
         guards.append(guard_on(at, value, structural=False) if plain else SameObject(at, Ref(value)))
+        if type(value) is dict:  # (as a module's ``_parameters`` read by a trace)
+            guards.append(Keys(at, tuple(value)))
     check = _ready(tuple(guards))
     for path, value in changes:  # then the tree changes
         owner = _read(root, tuple(path[:-1]))
@@ -183,6 +189,101 @@ def test_golden_generated_guards_read_each_prefix_once() -> None:
         assert not check() and not guards_hold(guards)
 
 
+GOLDEN_CALLS = """
+# C++ guards
+c0
+  .cell_contents == 1.0
+c1
+  ['_hook_fn'] is <function object>
+c2
+  ._parameters keys ['weight', 'bias']
+# then
+def check():
+    if identity_key(c0) != c1: return False
+    if any(c2): return False
+    if any(map(_contains, c4, c3)): return False
+    return True
+"""
+
+
+def test_golden_guards_on_what_calling_a_module_runs() -> None:
+    """A module without hooks: its hook tables stay empty and its ``__dict__`` gets no ``forward``, each
+    tested with every other module's in one ``any`` (GPT-2's 176 modules: ~3 us); a module with a hook:
+    the hook functions by identity (code), and what their code names -- a closure cell's value, a global
+    function -- in the tree; a parameter table a trace read: its keys in order, in the tree."""
+    def make() -> Callable[..., Any]:
+        shift = 1.0
+        return lambda m, a, o: _hook_fn(m, a, o) + shift
+
+    plain, hooked = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    hooked.register_forward_hook(make())
+    order = Keys((("id", Ref(hooked)), "_parameters"), ("weight", "bias"))
+    guards = (Hooks.on(plain), Hooks.on(hooked), order)
+    check = _ready(guards)
+    assert check.run.source.strip() == GOLDEN_CALLS.strip()
+    changes = (lambda: setattr(plain, "forward", types.MethodType(_doubled, plain)),
+               lambda: plain.register_forward_pre_hook(print),
+               lambda: hooked._forward_hooks.clear(),
+               lambda: hooked._parameters.update(weight=hooked._parameters.pop("weight")))
+    for change in changes:
+        check = _ready(guards)
+        state = (dict(vars(plain)), dict(plain._forward_pre_hooks), dict(hooked._forward_hooks),
+                 dict(hooked._parameters))
+        change()
+        assert _both(check) == (False, False)
+        changed = (plain.__dict__, plain._forward_pre_hooks, hooked._forward_hooks, hooked._parameters)
+        for obj, was in zip(changed, state):
+            obj.clear()
+            obj.update(was)
+        assert _both(check) == (True, True)
+
+
+GOLDEN_HOOK_NAMES = """
+# C++ guards
+c0
+  .cell_contents == 'lin0'
+c1
+  <hook 0> is <function object>
+    <cell 'name'> == 'lin0'
+  <hook 1> is <function object>
+    <default 'n'> == 'lin0/pre'
+# then
+def check():
+    if identity_key(c0) != c1: return False
+    return True
+"""
+
+
+def test_golden_guards_on_names_hooks_close_over() -> None:
+    """A compiled program whose region bodies take the names hooks close over as operands guards each one
+    where the call site read it (``guards.hooks.hook_labels``): the hook at its position in the module's
+    table, by identity, then its cell or default -- all in the tree (through the table's item by the hook's
+    id, its keys unchanged, then the function's ``__closure__`` or ``__defaults__``), beside the module's
+    Hooks guard; the first two calls interpret."""
+    lin, name = torch.nn.Linear(2, 2), "lin0"
+    lin.register_forward_hook(lambda m, a, o: (m, name))
+    lin.register_forward_hook(lambda m, a, o, n="lin0/pre": (m, n))
+    first, second = lin._forward_hooks.values()
+    at = (("id", Ref(lin)),)
+    guards = (Hooks.on(lin), SameObject((*at, ("hook", "_forward_hooks", 0)), Ref(first)),
+              Equals((*at, ("hook", "_forward_hooks", 0), ("cell", 0, "name")), str, "lin0"),
+              SameObject((*at, ("hook", "_forward_hooks", 1)), Ref(second)),
+              Equals((*at, ("hook", "_forward_hooks", 1), ("default", 0, "n")), str, "lin0/pre"))
+    check = _ready(guards)
+    assert check.run.source.strip() == GOLDEN_HOOK_NAMES.strip()
+    for change, undo in ((lambda: setattr(first.__closure__[0], "cell_contents", "x"),
+                          lambda: setattr(first.__closure__[0], "cell_contents", "lin0")),
+                         (lambda: setattr(second, "__defaults__", ("x",)),
+                          lambda: setattr(second, "__defaults__", ("lin0/pre",))),
+                         (lambda: lin._forward_hooks.move_to_end(next(iter(lin._forward_hooks))),
+                          lambda: lin._forward_hooks.move_to_end(next(iter(lin._forward_hooks)))),
+                         (lambda: lin._forward_hooks.clear(), lambda: None)):
+        check = _ready(guards)
+        change()
+        assert _both(check) == (False, False)
+        undo()
+
+
 def test_a_checker_made_while_its_guards_fail_still_fails() -> None:
     """The third call makes the C++ tree; made while a dict item differs (an optimizer's ``lr`` changed
     since the capture), torch's dict accessor would take the unchanged dict for a holding guard."""
@@ -213,6 +314,34 @@ def _hooked() -> tuple[Guard, Callable[[], None]]:
     lin = torch.nn.Linear(2, 2)
     handle = lin.register_forward_hook(lambda *a: None)
     return Hooks.on(lin), handle.remove
+
+
+def _doubled(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(self).forward(self, x) * 2
+
+
+def _hook_fn(module: Any, args: Any, out: Any) -> Any:
+    return out
+
+
+def _hook_naming_a_global() -> tuple[Guard, Callable[[], None]]:
+    lin = torch.nn.Linear(2, 2)
+    lin.register_forward_hook(lambda m, a, o: _hook_fn(m, a, o))
+
+    def rebind() -> None:
+        global _hook_fn
+        _hook_fn = lambda m, a, o: o * 2  # noqa: E731
+    return Hooks.on(lin), rebind
+
+
+def _hook_name() -> tuple[Guard, Callable[[], None]]:
+    """A compiled program's guard on a string a layer's hook closes over, which its region body took as an
+    operand (``guards.hooks.hook_labels``): read through the hook, in the generated code."""
+    lin, name = torch.nn.Linear(2, 2), "lin0"
+    lin.register_forward_hook(lambda m, a, o: (m, name))
+    path = (("id", Ref(lin)), ("hook", "_forward_hooks", 0), ("cell", 0, "name"))
+    (hook,) = lin._forward_hooks.values()
+    return Equals(path, str, "lin0"), lambda: setattr(hook.__closure__[0], "cell_contents", "renamed")
 
 
 def _kind_case(make: Callable[[Any], Guard], change: Callable[[Any], None], **fields: Any
@@ -252,6 +381,16 @@ KIND_CASES: dict[str, tuple[Callable[[], tuple[Guard, Callable[[], None]]], str,
         torch.nn.Linear(2, 2)), "0 hooks", "1 hook", "code"),
     "Hooks, global": (lambda: (Hooks.on(GLOBAL), lambda: _GLOBAL_HOOKS.append(
         torch.nn.modules.module.register_module_forward_hook(lambda *a: None))), "0 hooks", "1 hook", "code"),
+    "Hooks, an instance forward assigned": (lambda: (lambda lin: (Hooks.on(lin), lambda: setattr(
+        lin, "forward", types.MethodType(_doubled, lin))))(torch.nn.Linear(2, 2)),
+        "0 hooks", "0 hooks, an instance forward", "code"),
+    "Hooks, a global the hook names rebound": (_hook_naming_a_global, "1 hook", "1 hook (_hook_fn rebound)",
+                                               "code"),
+    "Equals, a name a hook closes over": (_hook_name, "'lin0'", "'renamed'", "tree"),
+    "Keys": (_kind_case(lambda r: guard_on(_at(r, "_parameters"), r._parameters, structural=False),
+                        lambda r: r._parameters.update(a=r._parameters.pop("a")),
+                        _parameters={"a": 1, "b": 2}),
+             "keys ('a', 'b')", "keys ('b', 'a')", "tree"),
 }
 _GLOBAL_HOOKS: list[Any] = []
 

@@ -77,7 +77,9 @@ def reachable(roots: Iterable[tuple[Any, str, Path | None]], owned: bool = False
     module, internals, leaves = torch.nn.Module, MODULE_INTERNALS, _LEAVES
     while stack:
         obj, what, path, depth = stack.pop()
-        if id(obj) in seen or not (_walkable(obj) or owned and isinstance(obj, torch.optim.Optimizer)):
+        # (a plain value -- a label a body's hook holds among them: looking at it would use it)
+        if isinstance(obj, leaves) or id(obj) in seen or not (
+                _walkable(obj) or owned and isinstance(obj, torch.optim.Optimizer)):
             continue
         seen.add(id(obj))
         nested: list[tuple[Any, Any, Path | None, int]] = []

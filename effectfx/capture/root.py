@@ -17,7 +17,7 @@ from ..graph.traced import OperandSource, SourceKind, TracedGraph
 from ..guards.hooks import GLOBAL
 from ..guards.identity import code_reads
 from ..guards.kinds import Guard, Hooks
-from ..guards.reads import Reads, recording, report_read
+from ..guards.reads import Reads, recording, report_read, unrecorded
 from ..guards.values import plain_value
 from ..interposers.collectives import refuse_parallel_wrappers
 from ..interposers.training_step import TrainingStep, training_step
@@ -140,8 +140,9 @@ def _hook_guards(owner: Any, leaves: list[Any], watched: Any) -> list[Guard]:
     modules: dict[int, torch.nn.Module] = {}
     for root in roots:
         if isinstance(root, torch.nn.Module) and id(root) not in modules:
-            for sub in root.modules():
-                modules.setdefault(id(sub), sub)
+            with unrecorded():
+                for sub in root.modules():
+                    modules.setdefault(id(sub), sub)
     return [Hooks.on(m) for m in (*modules.values(), GLOBAL)]
 
 

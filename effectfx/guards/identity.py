@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..graph.traced import TensorMeta
-from .hooks import global_hook_key, has_hooks, hook_key
+from .hooks import global_hook_key, has_hooks, hook_key, named_modules, named_values
 from .labels import raw
 from .values import MISSING, Ref, class_of, freeze, plain_value
 
@@ -28,9 +28,18 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def ambient() -> tuple:
-    """Grad mode and autocast (enabled, dtype) per device type: state that changes every op's meaning."""
+    """Grad mode, autocast (its dtype, or None) per device type, then whether a profiler is on: state that
+    changes every op's meaning, or that code reads to decide what to run
+    (``torch.autograd._profiler_enabled()``: a trace under ``torch.profiler.profile()`` may have taken
+    another branch)."""
     return (torch.is_grad_enabled(), *[
-        (torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in AUTOCAST_DEVICES])
+        (torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in AUTOCAST_DEVICES],
+        torch.autograd._profiler_enabled())
+
+
+def autocasting() -> bool:
+    """Whether autocast is on for any device type (the autocast part of :func:`ambient`)."""
+    return any(ambient()[1:1 + len(AUTOCAST_DEVICES)])
 
 
 class ambient_context:  # noqa: N801  (used like torch.no_grad)
@@ -56,10 +65,11 @@ def module_tensors(module: torch.nn.Module, subs: list[tuple[str, torch.nn.Modul
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor a module holds, by name: parameters, buffers, and plain tensor attributes (a mask
     stored as ``self.mask = ...``), which differ between instances just as parameters do.  ``subs`` is
-    ``module.named_modules()`` when the caller walked it already."""
+    :func:`named_modules` when the caller walked it already."""
     seen: set[int] = set()
-    for prefix, sub in module.named_modules() if subs is None else subs:
-        for table in (sub._parameters, sub._buffers, vars(sub)):
+    for prefix, sub in named_modules(module) if subs is None else subs:
+        state = vars(sub)
+        for table in (state["_parameters"], state["_buffers"], state):
             for k, v in table.items():
                 if isinstance(v, torch.Tensor) and not k.startswith("_") and id(v) not in seen:
                     seen.add(id(v))
@@ -73,7 +83,7 @@ class ModuleWalk:
     __slots__ = ("subs", "tensors")
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.subs = list(module.named_modules())
+        self.subs = named_modules(module)
         self.tensors = dict(module_tensors(module, self.subs))
 
     def structure(self) -> tuple:
@@ -124,32 +134,13 @@ def key_labels(names: Sequence[str]) -> tuple[str, ...]:
 # -- what a body's code names: closures and globals --------------------------------------------------------
 
 
-def _names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _names(const)
-
-
 def code_reads(fn: Any) -> Iterator[tuple[Any, Any, Any]]:
     """``(holder, step, value)`` for every closure cell and global ``fn``'s code names (nested functions
-    included): Python state the trace may bake in, guarded like attribute reads."""
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell: a name bound later in the enclosing function
-            continue
+    included; ``hooks.named_values``), but code: Python state the trace may bake in, guarded like attribute
+    reads."""
+    for holder, step, value in named_values(fn):
         if not _code_like(value):
-            yield cell, "cell_contents", value
-    scope = getattr(fn, "__globals__", {})
-    for name in dict.fromkeys(_names(code)):
-        value = scope.get(name, MISSING)
-        if value is not MISSING and not _code_like(value):
-            yield scope, ("item", name), value
+            yield holder, step, value
 
 
 def _code_like(value: Any) -> bool:
@@ -159,4 +150,4 @@ def _code_like(value: Any) -> bool:
                                   value, torch.nn.Module) and not hasattr(value, "__dict__"))
 
 
-__all__ = ["ambient", "call_key", "code_reads", "key_labels", "leaf_key"]
+__all__ = ["ambient", "autocasting", "call_key", "code_reads", "key_labels", "leaf_key"]

@@ -8,7 +8,8 @@ compares by identity.  Each kind says
 * ``describe()``: what ``efx.explain`` and ``efx.compile`` say it expects (``found_text``: what was found);
 * ``tree_check(tree)`` / ``python_check(out)``: how a compiled program checks it -- added to the C++ guard
   tree or to the generated code (``effectfx.guards.emit``), True if added; a kind that adds itself to
-  neither is interpreted (``holds`` on the value its path reads: ``effectfx.guards.check``).
+  neither is interpreted (``holds`` on the value its path reads: ``effectfx.guards.check``).  ``Hooks``
+  adds a part to each: what its functions name to the tree (saying False), their tables to the code.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from typing import Any
 import torch
 
 from .emit import Tree, Writer
-from .hooks import GLOBAL, HOOKS, global_tables, hooks_of, tables
+from .hooks import FORWARD, GLOBAL, HOOK_STEPS, HOOKS, TABLES, global_tables, hooks_of, identity_key, tables
 from .labels import Label, raw
 from .values import MISSING, Path, Ref, class_of, freeze, plain_value, watchable
 
 # classes whose values the tree and the code compare as the interpretation does (the same type, then ==);
 # a str only in the tree, on attribute paths (the interpretation also passes a ``str`` subclass)
 _SCALARS = (bool, int, float, type(None))
+# a module's tables of its parameters, buffers and submodules: a trace that reads one iterates it (nn.Module
+# finds a submodule through ``__dict__``), so its guard is the order of its keys (``Keys``)
+MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +90,8 @@ class Equals(Guard):
         return self.cls is tuple and plain_value(self.value)
 
     def tree_check(self, tree: Tree) -> bool:
-        attributes = all(isinstance(step, str) for step in self.path[1:])
+        # (a str on a path of attributes, or to a string a hook closes over: not where a label may be)
+        attributes = all(isinstance(step, str) or step[0] in HOOK_STEPS for step in self.path[1:])
         if not (self.cls in _SCALARS or self._plain_tuple() or self.cls is str and attributes):
             return False
         read = tree.read(self.path)
@@ -95,11 +100,13 @@ class Equals(Guard):
         return read is not None
 
     def python_check(self, out: Writer) -> bool:
-        if not (self.cls in _SCALARS or self._plain_tuple()):
+        if not (self.cls in _SCALARS or self._plain_tuple() or self.cls is str):
             return False
         var = out.read(self.path)
         if var is not None and self.cls is tuple:
             out.fails_if(f"type({var}) is not tuple or {var} != {out.constant(self.value)}")
+        elif var is not None and self.cls is str:  # (any str: a label in a capture, raw)
+            out.fails_if(f"not isinstance({var}, str) or str.__str__({var}) != {out.constant(self.value)}")
         elif var is not None:
             out.equal(var, self.value)
         return var is not None
@@ -196,7 +203,8 @@ class Absent(Guard):
 
 @dataclass(frozen=True, slots=True)
 class Hooks(Guard):
-    """The hooks of a module, or torch's global ones (``effectfx.guards.hooks``), as ``key``."""
+    """The hooks and instance ``forward`` of a module, or torch's global hooks (``effectfx.guards.hooks``),
+    as ``key``: the functions by identity, then what their code names (``hooks.names_of``)."""
 
     key: tuple
 
@@ -214,18 +222,68 @@ class Hooks(Guard):
         return hooks_text(self.key)
 
     def found_text(self, value: Any) -> str:
-        return hooks_text(value) if isinstance(value, tuple) else value_text(value)
+        if not isinstance(value, tuple):
+            return value_text(value)
+        text = hooks_text(value)
+        if text != hooks_text(self.key) or not value or not self.key:
+            return text
+        if value[:TABLES] != self.key[:TABLES]:
+            return f"{text} (other functions)"
+        if value[TABLES] != self.key[TABLES]:
+            return f"{text} (another instance forward)"
+        was, now = dict(self.key[-1]), dict(value[-1])
+        names = {step[1] if isinstance(step, tuple) else "a closed-over value"
+                 for (holder, step) in {*was, *now} if was.get((holder, step)) != now.get((holder, step))}
+        return f"{text} ({', '.join(sorted(names))} rebound)"
+
+    def tree_check(self, tree: Tree) -> bool:
+        """What the functions name, each an identity or equality check in the tree; their tables are code
+        (``python_check``), so this adds a part and says False."""
+        for (holder, step), value in self.key[-1] if self.key and self.path[0][0] == "id" else ():
+            read = tree.read((("id", holder), step))
+            assert read is not None  # (a cell's attribute, or a globals item by name: the tree reads both)
+            if isinstance(value, Ref):
+                tree.same(read, value.obj)
+            else:
+                tree.equal(read, value[1])
+        return False
 
     def python_check(self, out: Writer) -> bool:
         if self.path[0][0] != "id":
             return False
         obj = self.path[0][1].obj
-        if not self.key:  # (most modules: their hook tables, tested together)
+        if not self.key:  # (most modules: their hook tables, and dicts, tested together)
             out.stay_empty(global_tables() if obj is GLOBAL else tables(obj))
-        else:
-            now = f"{out.helper('hooks_of', hooks_of)}({out.constant(obj)})"
-            out.fails_if(f"{now} != {out.constant(self.key)}")
+            if obj is not GLOBAL:
+                out.lacks(obj.__dict__, FORWARD)
+        else:  # the functions by identity; what they name is in the tree (``tree_check``)
+            now = f"{out.helper('identity_key', identity_key)}({out.constant(obj)})"
+            out.fails_if(f"{now} != {out.constant(self.key[:-1])}")
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Keys(Guard):
+    """A dict with those keys in that order: a module's ``_parameters``, ``_buffers`` or ``_modules`` that
+    a trace read (``parameters()``, ``children()``, iterating a ``ModuleList``): the order of what they
+    yield."""
+
+    keys: tuple
+
+    def holds(self, value: Any) -> bool:
+        return type(value) is dict and tuple(value) == self.keys
+
+    def describe(self) -> str:
+        return f"keys {self.keys!r}"
+
+    def found_text(self, value: Any) -> str:
+        return f"keys {tuple(value)!r}" if isinstance(value, dict) else value_text(value)
+
+    def tree_check(self, tree: Tree) -> bool:
+        read = tree.read(self.path)
+        if read is not None:
+            tree.keys(read, self.keys)
+        return read is not None
 
 
 def guard_on(path: Path, value: Any, structural: bool) -> Guard:
@@ -233,6 +291,11 @@ def guard_on(path: Path, value: Any, structural: bool) -> Guard:
     region bodies, whose call sites hold other instances) or identity (compiled programs) otherwise."""
     if value is MISSING:
         return Absent(path)
+    if path[-1] in MODULE_TABLES and type(value) is dict:
+        return Keys(path, tuple(value))
+    if isinstance(path[-1], tuple) and path[-1][0] == "hook":  # a hook, read for a label it closes over:
+        # which function it is, the key (a body's) or the module's Hooks guard (a program's) says already
+        return OfType(path, class_of(value)) if structural else SameObject(path, Ref(value))
     if isinstance(value, Label):
         return Equals(path, str, str.__str__(value))
     if plain_value(value):
@@ -268,6 +331,7 @@ def _items(frozen: Any) -> tuple:
 
 
 def hooks_text(key: tuple) -> str:
-    """How many hooks a hook key (``guards.hooks``) holds, in words."""
-    n = sum(len(table) for table in key) if key else 0
-    return f"{n} hook{'s' if n != 1 else ''}"
+    """How many hooks a hook key (``guards.hooks``) holds, and whether an instance forward, in words."""
+    n = sum(len(table) for table in key[:TABLES]) if key else 0
+    forward = ", an instance forward" if len(key) > TABLES and key[TABLES] is not None else ""
+    return f"{n} hook{'s' if n != 1 else ''}{forward}"

@@ -24,8 +24,9 @@ from .kinds import Equals, Guard, IsStr, ObjectState, OfType, SameObject, guard_
 from .labels import Label
 from .values import MISSING, Path, Ref, class_of, plain_value, watchable
 
-# nn.Module's own bookkeeping: read on every call, never part of what a layer computes
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+# nn.Module's own bookkeeping: read on every call, never part of what a layer computes; but its tables of
+# parameters, buffers and submodules, read only to iterate them: their key order (``kinds.Keys``)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training", "_parameters", "_buffers", "_modules"}
 
 _LOCAL = threading.local()
 
@@ -45,6 +46,17 @@ def recording(reads: Reads) -> Iterator[Reads]:
         yield reads
     finally:
         stack.pop()
+
+
+@contextmanager
+def unrecorded() -> Iterator[None]:
+    """effectfx's own reads (a walk of a module's submodules or parameters during a capture): no guards."""
+    stack = getattr(_LOCAL, "stack", None)
+    _LOCAL.stack = []
+    try:
+        yield
+    finally:
+        _LOCAL.stack = stack
 
 
 def _fresh_each_read(owner: Any, step: Any, value: Any) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import TreeSpec
 
 from ..graph.traced import TensorMeta
-from .hooks import GLOBAL, HOOKS
+from .hooks import GLOBAL, HOOKS, TABLES
 from .identity import AUTOCAST_DEVICES
 from .kinds import Guard, hooks_text
 
@@ -30,6 +30,10 @@ def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, st
         if s == HOOKS:
             is_global = root[0] == "id" and root[1].obj is GLOBAL
             text = "torch's global module hooks" if is_global else f"{text} hooks"
+        elif isinstance(s, tuple) and s[0] == "hook":  # (hooks.hook_labels)
+            text = f"{text} {'forward pre-hook' if s[1] == '_forward_pre_hooks' else 'forward hook'} {s[2]}"
+        elif isinstance(s, tuple) and s[0] in ("cell", "default", "kwdefault"):
+            text = f"{text}'s {s[-1]}"  # (the name of the variable, or of the parameter)
         elif isinstance(s, tuple):
             text = s[1] if text == "globals" else f"{text}[{s[1]!r}]"
         elif s == "cell_contents" and text == "a closure cell":
@@ -63,6 +67,10 @@ def _ambient_differences(a: tuple, b: tuple) -> list[str]:
         if x != y:
             x, y = (str(v).replace("torch.", "") if v is not None else "off" for v in (x, y))
             out.append(f"autocast {device}: {x} -> {y}")
+    profiler = 1 + len(AUTOCAST_DEVICES)
+    if a[profiler:] != b[profiler:]:
+        x, y = ("on" if v[profiler:] and v[profiler] else "off" for v in (a, b))
+        out.append(f"profiler: {x} -> {y}")
     return out
 
 
@@ -91,11 +99,16 @@ def _diff_structure(label: str, a: tuple, b: tuple) -> list[str]:
     (ha, ga), (hb, gb) = a[2] or ((), ()), b[2] or ((), ())  # (per-submodule hooks, global hooks)
     ha, hb = dict(ha), dict(hb)
     for prefix in dict.fromkeys([*ha, *hb]):
-        if ha.get(prefix) != hb.get(prefix):
+        x, y = ha.get(prefix, ()), hb.get(prefix, ())
+        if x != y:
             where = f"{label}.{prefix}" if prefix else label
-            before, after = hooks_text(ha.get(prefix, ())), hooks_text(hb.get(prefix, ()))
-            out.append(f"{where}: hooks {before} -> {after} (other functions, or other values they close "
-                       "over)")
+            if (x or _NONE)[:TABLES] == (y or _NONE)[:TABLES]:  # (so the instance forward differs)
+                before, after = _forward_text(x), _forward_text(y)
+                same = " (other values it closes over or names, or bound to another object)"
+                out.append(f"{where}: instance forward {before} -> {after}{same if before == after else ''}")
+            else:
+                out.append(f"{where}: hooks {hooks_text(x)} -> {hooks_text(y)} (other functions, or other "
+                           "values they close over or name)")
     if ga != gb:
         out.append(f"{label}: torch's global module hooks changed")
     ta, tb = dict(a[1]), dict(b[1])
@@ -105,6 +118,19 @@ def _diff_structure(label: str, a: tuple, b: tuple) -> list[str]:
         else:
             out.extend(_diff_tensor_meta(f"{label}.{name}", ta[name], tb[name]))
     return out or [f"{label}: module differs"]
+
+
+_NONE = ((),) * TABLES + (None,)  # a module's hook key without hooks or instance forward
+
+
+def _forward_text(key: tuple) -> str:
+    """An instance forward in a body's key (``hooks._forward``): ``method new_forward``, or ``none``."""
+    forward = key[TABLES] if len(key) > TABLES else None
+    if forward is None:
+        return "none"
+    what = forward[1]  # a function's (code, defaults, ...) or a Ref
+    fn = what[0].obj if isinstance(what, tuple) else what.obj
+    return f"{forward[0]} {getattr(fn, 'co_name', None) or getattr(fn, '__name__', type(fn).__name__)}"
 
 
 def part_differences(label: str, a: Any, b: Any) -> list[str]:

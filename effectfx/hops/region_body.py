@@ -30,7 +30,8 @@ from ..graph.traced import (
     same_forward,
     saved_positions,
 )
-from ..guards.identity import ambient, code_reads, key_labels, leaf_of_key, module_tensors
+from ..guards.hooks import hook_labels
+from ..guards.identity import autocasting, code_reads, key_labels, leaf_of_key, module_tensors
 from ..guards.labels import raw
 from ..guards.reads import Reads, recording, report_read
 from ..regions.cache import PartialBackward, RegionBody
@@ -85,7 +86,7 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
     # caller's (nor an earlier trace's, a partial backward's retrace) nor leaves its own to its caller
     torch.clear_autocast_cache()
     try:
-        with label_mode, recording(reads):
+        with label_mode, recording(reads), hook_labels(leaves, labels.make):
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
             run, written = with_written_state(region.fn, body_args, body_kwargs)
@@ -102,7 +103,7 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
         tracer.region_stack.pop()
         torch.clear_autocast_cache()
     looked = tracer.label_mode.grad_state_reads > grad_state_reads
-    for path, expect in history_guards(looked, any(ambient()[1:]), leafness).items():
+    for path, expect in history_guards(looked, autocasting(), leafness).items():
         reads.guards.setdefault(path, expect)
     return traced, tuple(reads.guards.values())
 

@@ -29,6 +29,7 @@ from ..errors import UnsupportedOperatorError
 from ..graph.source import user_location
 from ..guards.check import resolve
 from ..guards.kinds import Guard, OfType, SameObject, guard_on
+from ..guards.reads import unrecorded
 from ..guards.values import MISSING, Ref, class_of
 from ..regions.decorator import active_tracer
 from .interpose import interpose
@@ -61,8 +62,9 @@ class TrainingStep:
                     continue
                 seen.add(id(obj))
                 if isinstance(obj, torch.nn.Module):
-                    for p in obj.parameters():
-                        self.track(p)
+                    with unrecorded():
+                        for p in obj.parameters():
+                            self.track(p)
                 elif isinstance(obj, torch.optim.Optimizer):
                     for group in obj.param_groups:
                         for p in group["params"]:
