@@ -214,6 +214,41 @@ def test_a_result_as_large_as_an_argument_stays_symbolic():
     assert len(compiled.programs()) == 1
 
 
+@efx.region
+def _squared_and_passed(x):
+    v = x * x
+    efx.callback(shifted, v, "sq", key="stdout", result_shape=v)
+    return v, x
+
+
+class _PinsTheSize(torch.nn.Module):
+    """A region's callback names its result's sizes after the argument's; a layer later pins one of them to a
+    number, so the region's partial backward retrace (only the first result is used) sees the number where
+    the first trace saw the symbol: found by ``effectfx fuzz --sizes``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        v, passed = _squared_and_passed(x)
+        self.lin(passed)
+        return v
+
+
+def test_a_retrace_that_sees_a_pinned_size_records_the_same_callback():
+    torch.manual_seed(0)
+    model = _PinsTheSize()
+    compiled = efx.compile(model, dynamic=True)
+    for n in (3, 5):
+        x = torch.randn(n, 4, requires_grad=True)
+        with recording() as eager_log:
+            (expected,) = torch.autograd.grad(model(x).sum(), x)
+        with recording() as log:
+            (got,) = torch.autograd.grad(compiled(x).sum(), x)
+        assert torch.allclose(got, expected) and log == eager_log
+
+
 def test_efx_effect_decorator():
     @efx.effect(key="memory")
     def note_twice(x, label):

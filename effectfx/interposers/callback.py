@@ -153,7 +153,17 @@ def _plain(tracer: Any, name: str, tensors: list[torch.Tensor]) -> Callable[[Any
     """What a non-tensor leaf of a call's arguments is baked in as, or its refusal; a symbolic size of a
     result that is a size of one of the call's ``tensors`` stays symbolic (:class:`SizeOf`)."""
 
+    symbolic = tracer.shape_env is not None
+
     def plain(value: Any, where: str) -> Any:
+        if symbolic and type(value) is int and where.startswith("result_shape"):
+            # a symbol pinned to a number after an earlier trace named it as a size of a tensor: a retrace
+            # (Note [Partial backward]) sees the number where that trace saw the symbol, and must record the
+            # same call -- a static size of a tensor is named as that size too
+            for i, t in enumerate(tensors):
+                for d, size in enumerate(t.shape):
+                    if type(size) is int and size == value:
+                        return SizeOf(i, d)
         if value is None or type(value) in _PLAIN:
             return value
         if isinstance(value, Label):
