@@ -64,9 +64,6 @@ the body gets a placeholder, each call site passes its own string, one body serv
 ``record_memory("forward", self.name)``.  Any other use -- comparison, hashing, formatting, slicing, a
 method, a non-effect op, a backward formula, being returned, or turning up inside another string the body
 bakes in (``"/".join(...)`` reads it in C) -- *specializes*: the value is baked back in and guarded.
-So is a string a forward hook of a module the body is passed closes over or has as a default
-(``effectfx.guards.hooks.hook_labels``: ``lambda m, a, o, n=f"attn{i}": record(n)`` on every layer is one
-body); its path goes through the module's hook table to the hook's cell or default.
 Numbers are never labels: CPython reads an int in C (``range(n)``, ``xs[i]``) without calling any of its
 methods, so a use could not be seen.
 

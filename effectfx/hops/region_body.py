@@ -30,7 +30,6 @@ from ..graph.traced import (
     same_forward,
     saved_positions,
 )
-from ..guards.hooks import hook_labels
 from ..guards.identity import autocasting, code_reads, key_labels, leaf_of_key, module_tensors
 from ..guards.labels import raw
 from ..guards.reads import Reads, recording, report_read
@@ -86,7 +85,7 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
     # caller's (nor an earlier trace's, a partial backward's retrace) nor leaves its own to its caller
     torch.clear_autocast_cache()
     try:
-        with label_mode, recording(reads), hook_labels(leaves, labels.make):
+        with label_mode, recording(reads):
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
             run, written = with_written_state(region.fn, body_args, body_kwargs)
