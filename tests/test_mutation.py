@@ -21,7 +21,7 @@ from effectfx.testing import (
     hf,
     recording,
 )
-from effectfx.testing.differential import FORMS
+from effectfx.testing.differential import FORMS, check_against_eager
 
 STEPS = 3
 
@@ -489,3 +489,27 @@ def test_print_of_an_argument_a_region_updated_shows_the_body_op() -> None:
         efx.compile(_print_accumulated)(x.detach().clone().requires_grad_(), acc.clone())
     assert "grad_fn=<AddBackward0>" in printed.getvalue()
     check_mutations_against_eager(_print_accumulated, fresh_args((x, acc)))
+
+
+class _DetachesItsUpdatedInput(torch.nn.Module):
+    """A region adds into its argument; the caller returns that argument detached (a fuzzed program)."""
+
+    @efx.region
+    def add_into(self, x, y):
+        x.add_(y)
+        return y
+
+    def forward(self, x, y):
+        self.add_into(x, y)
+        return x.detach()
+
+
+def test_a_detached_view_of_an_updated_input_needs_no_gradient() -> None:
+    """The output is a view of the caller's updated tensor, as in eager, and, as in eager, detached: it
+    requires no gradient and none flows through it (it had one: the view was laid onto the caller's tensor,
+    which the update gave a history)."""
+    make = lambda: (torch.randn(2, 4), torch.randn(2, 4, requires_grad=True))  # noqa: E731
+    check_against_eager(_DetachesItsUpdatedInput(), *make())
+    x, y = make()
+    out = efx.compile(_DetachesItsUpdatedInput())(x, y)
+    assert not out.requires_grad and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()

@@ -152,7 +152,9 @@ def onto_caller(out: Any, target: torch.Tensor, new: torch.Tensor) -> Any:
             or out.untyped_storage().data_ptr() != new.untyped_storage().data_ptr() or not _within(out, new)):
         return out
     offset = out.storage_offset() - new.storage_offset() + target.storage_offset()
-    return target.as_strided(out.shape, out.stride(), offset)
+    view = target.as_strided(out.shape, out.stride(), offset)
+    # a view eager detached (``x.detach()`` of the updated input) shares its memory, not its gradient
+    return view.detach() if view.requires_grad and not out.requires_grad else view
 
 
 def _within(out: torch.Tensor, new: torch.Tensor) -> bool:
