@@ -308,8 +308,11 @@ A captured function may run a whole training step: ``loss.backward()``, gradient
     or the tensor it accumulates into; one it never reads, as after ``zero_grad()`` at the step's start,
     need only be a tensor), each optimizer state entry by identity or absence, every
     hyperparameter in ``param_groups`` by value.  So the first step (no state yet) and the later ones are
-    two programs, and changing ``lr`` between calls captures again; a tensor ``lr`` (updated in place by
-    a scheduler) is an input and does not.  Python state the step changes that a program cannot replay --
+    two programs.  A float ``lr`` changed between calls captures once more with it as an input (Note
+    [Float inputs], ``effectfx.guards.floats``), then is guarded only as a float: a schedule costs two
+    captures; a tensor ``lr`` (updated in place by a scheduler) is an input from the start, and a step
+    with one runs torch.optim's multi-tensor formulas (SGD's per-tensor loop would ``.item()`` it).
+    Python state the step changes that a program cannot replay --
     a hyperparameter (an LR scheduler stepping inside), non-tensor optimizer state -- is refused.
 
 Note [Random numbers]

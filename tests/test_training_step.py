@@ -145,7 +145,9 @@ def test_a_changed_learning_rate_is_seen() -> None:
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(k))
         eager(x)
         compiled(x)
-        _state_equal(m1, o1, m2, o2, exact=True)
+        # a changed lr is an input (Note [Float inputs]): SGD's update is then a multiply and an add, not
+        # eager's fused ``add_(alpha=-lr)``, equal to ~1 ulp
+        _state_equal(m1, o1, m2, o2, exact=k < 2)
     assert compiled.stats.compiles == 2
     assert "param_groups" not in compiled.programs()[0].code()  # (a value: guarded, not an input)
     why = efx.explain(compiled).programs[1].why

@@ -25,10 +25,11 @@ from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, PythonStateError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.traced import TensorMeta
-from ..guards.check import GuardChecker
+from ..guards.check import GuardChecker, resolve
+from ..guards.floats import capture_with_floats, changed_floats, current, float_inputs
 from ..guards.identity import ambient, leaf_key
-from ..guards.values import plain_value
-from ..guards.words import guard_text
+from ..guards.values import Path, plain_value
+from ..guards.words import guard_text, path_text
 from ..passes.pipeline import run_passes
 from ..passes.reinplace import reinplace_in_place
 from ..passes.remove_tokens import remove_effect_tokens_pass
@@ -121,6 +122,8 @@ class CompiledEntry:
     guards: tuple = ()  # the capture's reads, by identity: checked before each run
     why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
     why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
+    floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
+    float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
 
     def __post_init__(self) -> None:
         self.check = GuardChecker(self.guards)  # the same guards, as code for the hot path
@@ -204,6 +207,7 @@ class CompiledCallable:
         self._children: list[tuple[dict, str, torch.nn.Module]] = []  # (parent._modules, name, child)
         self._state_readers: list[Callable[[], Any]] | None = None
         self._changes: dict[Any, tuple[list[Any], list[Any]]] = {}  # plain state programs change, by path
+        self._specialized: set[Path] = set()  # floats code needs as floats (Note [Float inputs])
         self.__wrapped__ = fn
 
     def _tensor_slots(self) -> dict[int, Slot]:
@@ -299,13 +303,17 @@ class CompiledCallable:
                         self.shapes.remember(key, found[0])
                 if found is None:
                     names = self._object_names()
-                    why = [guard_text(guard, got, names) for e in self.cache.get(key, ())
-                           for guard, got in e.check.failed()]
+                    failed = [f for e in self.cache.get(key, ()) for f in e.check.failed()]
+                    why = [guard_text(guard, got, names) for guard, got in failed]
+                    # the floats earlier programs took as inputs, and those that changed: inputs now
+                    good = frozenset(p for e in self.cache.get(key, ()) for _, p in e.floats)
+                    new = [p for p in changed_floats(failed) if p not in good and p not in self._specialized]
                     if len(why) > 4:  # (a training step's optimizer state: one guard per tensor)
                         why[3:] = [f"and {len(why) - 3} more"]
                     dims, why_dynamic = self.shapes.dims_for(group, leaves)
                     try:
-                        entry = self._compile(args, kwargs, dims)
+                        entry = capture_with_floats(lambda paths: self._compile(args, kwargs, dims, paths),
+                                                    good, new, self._specialized)
                     except RuntimeError as e:  # torch.func refused an autograd.Function: a region's call
                         if vmap and _raised_in_autograd_function(e):
                             raise self._torch_func_refusal("Vmap", _READS_GRAD) from e
@@ -316,6 +324,9 @@ class CompiledCallable:
                     self.stats.compile_seconds.append(entry.compile_seconds)
                     entry.why = tuple(why)
                     entry.why_dynamic = why_dynamic if dims else ""
+                    if entry.floats:
+                        entry.why = (*entry.why, "float inputs: " + ", ".join(
+                            entry.float_names.get(p) or path_text(p, (), names) for _, p in entry.floats))
                     self.cache.setdefault(key, []).append(entry)
                     self.shapes.add(group, entry)
                     return entry, leaves, list(entry.forward.lifted)
@@ -323,9 +334,12 @@ class CompiledCallable:
             raise self._torch_func_refusal("Vmap", _READS_GRAD)
         return found[0], leaves, found[1]
 
-    def _compile(self, args: tuple, kwargs: dict, dynamic: Dynamic | None = None) -> CompiledEntry:
+    def _compile(self, args: tuple, kwargs: dict, dynamic: Dynamic | None = None,
+                 floats: frozenset[Path] = frozenset()) -> CompiledEntry:
         start = time.perf_counter()
-        traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions, dynamic=dynamic)
+        with float_inputs(floats) as inputs:  # (Note [Float inputs])
+            traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions,
+                                   dynamic=dynamic)
         self._refuse_changing_state(traced.forward if isinstance(traced, TrainingProgram) else traced)
         program = run_passes(traced, BACKEND_PASSES[self.backend])
         if not isinstance(program, TrainingProgram):
@@ -335,14 +349,19 @@ class CompiledCallable:
         # a module tensor swapped in for this call (torch.func.functional_call) is read from where it
         # lives, as the module's own are: a later call must not see it once the module has its own back
         now = self._tensor_slots() if any(id(t) not in self._slots for t in forward.lifted) else {}
+        positions = tuple(i for i, _ in forward.signature.tensor_meta)
+        cells = {id(t): p for p, t in inputs.cells.items()}
         return CompiledEntry(
             program,
-            tuple(i for i, _ in forward.signature.tensor_meta),
+            positions,
             tuple(self._slots.get(id(t)) or now.get(id(t)) or _slot(t, src)
                   for t, src in zip(forward.lifted, forward.lifted_from or (None,) * len(forward.lifted))),
             tuple(TensorMeta.of(t) for t in forward.lifted),
             seconds,
             forward.guards,
+            floats=tuple((len(positions) + i, cells[id(t)]) for i, t in enumerate(forward.lifted)
+                         if id(t) in cells),
+            float_names=inputs.names,
         )
 
     def _refuse_changing_state(self, forward: Program) -> None:
@@ -397,6 +416,8 @@ class CompiledCallable:
         forward = entry.forward
         inputs = [leaves[i] for i in entry.tensor_positions]
         inputs.extend(lifted)
+        for i, path in entry.floats:  # each float input's value now (Note [Float inputs])
+            inputs[i] = current(resolve(path, ()))
         if isinstance(program, TrainingProgram):
             result = forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
         else:

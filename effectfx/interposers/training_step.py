@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from ..errors import UnsupportedOperatorError
 from ..graph.source import user_location
 from ..guards.check import resolve
+from ..guards.floats import active_floats
 from ..guards.kinds import Guard, OfType, SameObject, guard_on
 from ..guards.reads import unrecorded
 from ..guards.values import MISSING, Ref, class_of
@@ -191,7 +192,10 @@ class TrainingStep:
                         "scheduler's step(), say). Change it outside the compiled step: the program sees "
                         "the new value at its next call (Note [Training step])."
                     )
-                guards.extend(_expect((("id", Ref(group)), ("item", key)), v) for key, v in now.items())
+                floats = active_floats()
+                cells = floats.cells if floats is not None else {}
+                guards.extend(OfType(path, float) if path in cells else _expect(path, v)
+                              for path, v in ((_item(group, key), v) for key, v in now.items()))
             for p, before in state.values():
                 where = (("id", Ref(opt.state)), ("key", Ref(p)))
                 after = opt.state.get(p, {})
@@ -266,6 +270,11 @@ def _expect(path: tuple, value: Any) -> Guard:
     if isinstance(value, torch.Tensor):
         return SameObject(path, Ref(value))
     return guard_on(path, value, structural=False)
+
+
+def _item(group: dict, key: str) -> tuple:
+    """The path of a param group's hyperparameter ``key``."""
+    return (("id", Ref(group)), ("item", key))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -355,6 +364,18 @@ def _step_begins(opt: Any, args: Any, kwargs: Any) -> None:
             if key in group and not group[key]:
                 changed.append((group, key, group[key]))
                 group[key] = True if key == "capturable" or group[key] is None else group[key]
+    floats = active_floats()
+    for k, group in enumerate(opt.param_groups if floats is not None else ()):
+        for key, value in list(group.items()):  # a changed hyperparameter: an input (Note [Float inputs])
+            cell = floats.cell(_item(group, key), value, f"{type(opt).__name__}.param_groups[{k}][{key!r}]")
+            if cell is not None:
+                changed.append((group, key, value))
+                group[key] = cell
+    for group in opt.param_groups:  # SGD's per-tensor loop takes a tensor lr as a Python scalar (.item())
+        if group.get("foreach") is False and any(isinstance(v, torch.Tensor) for k, v in group.items()
+                                                 if k != "params"):
+            changed.append((group, "foreach", False))
+            group["foreach"] = True
     _RESTORE.append((changed, torch.compiler._is_compiling_flag))
     torch.compiler._is_compiling_flag = True
 
