@@ -465,7 +465,8 @@ def test_under_vmap_is_refused():
 def test_python_random_is_refused_naming_the_line(draw):
     with pytest.raises(efx.UnsupportedOperatorError, match=r"random module at .*test_callback.py:\d+ \(in <lambda>\)"):
         efx.compile(draw)(torch.randn(3))
-    random.random()  # (outside a capture: the module as it was)
+    # outside a capture: the module as it was, not an interposer's dispatch
+    assert not hasattr(random.random, "__effectfx_interposer__") and "random" not in vars(random.Random)
 
 
 def test_a_generator_of_the_codes_own_draws_the_same_each_call():

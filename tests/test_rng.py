@@ -311,6 +311,8 @@ def test_a_recompute_without_draws_saves_no_state() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0))  # dropout 0 draws nothing: nothing to restore
     prog = efx.capture(checkpointed, model, X.clone().requires_grad_())
     assert "effectfx_rng" not in str(prog)
+    drawing = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))  # its twin that draws: the state is saved
+    assert "effectfx_rng" in str(efx.capture(checkpointed, drawing, X.clone().requires_grad_()))
 
 
 def test_partial_backward_of_a_checkpointed_output_draws_as_eager() -> None:
@@ -357,7 +359,9 @@ def test_seeding_inside_captured_code_is_refused() -> None:
 
     with pytest.raises(UnsupportedOperatorError, match="seeds the global random number generator"):
         efx.compile(seeded)(X)
-    assert torch.manual_seed(3) is torch.default_generator  # outside a capture: torch's own
+    # outside a capture: torch's own function again, not an interposer's dispatch
+    assert not hasattr(torch.manual_seed, "__effectfx_interposer__")
+    assert torch.manual_seed(3) is torch.default_generator
 
 
 # -- (b) the structure we promise -------------------------------------------------------------------------
