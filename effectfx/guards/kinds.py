@@ -146,6 +146,12 @@ class OfType(Guard):
     def describe(self) -> str:
         return f"a {self.cls.__name__}"
 
+    def python_check(self, out: Writer) -> bool:  # (a float input's, a zeroed .grad's: on every call)
+        var = out.read(self.path)
+        if var is not None:
+            out.fails_if(f"{out.helper('_class_of', class_of)}({var}) is not {out.constant(self.cls)}")
+        return var is not None
+
 
 @dataclass(frozen=True, slots=True)
 class ObjectState(Guard):
