@@ -64,14 +64,11 @@ def _fresh_each_read(owner: Any, step: Any, value: Any) -> bool:
     """Whether reading attribute ``step`` of ``owner`` again gives another object (read unrecorded)."""
     if not isinstance(step, str):
         return False
-    stack = getattr(_LOCAL, "stack", None)
-    _LOCAL.stack = []
-    try:
-        return getattr(owner, step) is not value
-    except Exception:  # noqa: BLE001 -- a property that fails the second time: keep the identity guard
-        return False
-    finally:
-        _LOCAL.stack = stack
+    with unrecorded():
+        try:
+            return getattr(owner, step) is not value
+        except Exception:  # noqa: BLE001 -- a property that fails the second time: keep the identity guard
+            return False
 
 
 # -- watching objects -------------------------------------------------------------------------------------
