@@ -271,3 +271,85 @@ def test_golden_the_float_is_an_input() -> None:
     assert compiled.stats.compiles == 2
     print(compiled.programs()[-1].code())
     assert compiled.programs()[-1].code() == GOLDEN
+
+
+class Affine(nn.Module):
+    """A tuple of floats on a module (a scale and a shift), set before every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.affine = (1.0, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.affine
+        return (self.lin(x) * scale + shift).sum()
+
+
+def test_a_tuple_of_floats_is_a_tuple_of_inputs() -> None:
+    torch.manual_seed(0)
+    model = Affine()
+    compiled = efx.compile(model)
+    x = torch.randn(5, 4)
+    for it in range(8):
+        model.affine = (1.0 + it / 4, -it / 8)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+        out.backward()
+        g = model.lin.weight.grad.clone()
+        model.zero_grad()
+        model(x).backward()
+        torch.testing.assert_close(g, model.lin.weight.grad, rtol=1e-5, atol=1e-5)
+        model.zero_grad()
+    assert compiled.stats.compiles == 2
+    entry = compiled.cache[next(iter(compiled.cache))][-1]
+    assert [p[-1] for _, p in entry.floats] == [("index", 0), ("index", 1)]
+    model.affine = (1.0, 2.0, 3.0)  # another length: another program (and eager's error)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        compiled(x)
+
+
+def test_adam_betas_that_change_stay_values() -> None:
+    """torch.optim's Adam reads ``betas`` as Python scalars (``_foreach_lerp_``'s weight, ``addcmul``'s
+    value: a tensor there is ``.item()``): a capture with them as inputs fails, so they are guarded by
+    value after it, while ``lr`` is an input (Note [Float inputs])."""
+    model, opt, twin, topt, loss_of = _pair("mlp", OPTIMIZERS["adam"])
+    step, eager = efx.compile(_step_fn(model, opt, loss_of)), _step_fn(twin, topt, loss_of)
+    x, y = _data("mlp")
+    for it in range(8):
+        for o in (opt, topt):
+            o.param_groups[0].update(lr=_cosine(it), betas=(0.9, 0.999) if it < 4 else (0.8, 0.99))
+        torch.testing.assert_close(step(x, y), eager(x, y), rtol=1e-5, atol=1e-5)
+        _assert_same(model, opt, twin, topt, it)
+    assert step.stats.compiles == 3  # the first step, lr an input, the new betas
+    entry = step.cache[next(iter(step.cache))][-1]
+    assert [p[-1] for p in entry.float_paths] == [("item", "lr")]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_dynamic_true_takes_lr_as_an_input_from_the_first_call(name: str) -> None:
+    model, opt, twin, topt, loss_of = _pair("mlp", OPTIMIZERS[name])
+    step, eager = efx.compile(_step_fn(model, opt, loss_of), dynamic=True), _step_fn(twin, topt, loss_of)
+    x, y = _data("mlp")
+    for it in range(10):
+        for o in (opt, topt):
+            o.param_groups[0]["lr"] = _cosine(it)
+        torch.testing.assert_close(step(x, y), eager(x, y), rtol=1e-5, atol=1e-5)
+        _assert_same(model, opt, twin, topt, it)
+    # the first step's program (it creates the optimizer's state) and the later steps': the cosine cost none
+    assert step.stats.compiles == 2
+    assert all(e.float_paths for es in step.cache.values() for e in es)
+    assert not any("lr" in why for es in step.cache.values() for e in es for why in e.why[:-1])
+
+
+def test_dynamic_true_keeps_a_float_the_optimizer_needs() -> None:
+    """A changed weight_decay (AdamW's ``!= 0``) costs one capture per value; lr stays an input throughout."""
+    model, opt, twin, topt, loss_of = _pair("mlp", OPTIMIZERS["adamw"])
+    step, eager = efx.compile(_step_fn(model, opt, loss_of), dynamic=True), _step_fn(twin, topt, loss_of)
+    x, y = _data("mlp")
+    for it in range(8):
+        for o in (opt, topt):
+            o.param_groups[0].update(lr=_cosine(it), weight_decay=0.1 if it < 4 else 0.05)
+        torch.testing.assert_close(step(x, y), eager(x, y), rtol=1e-5, atol=1e-5)
+        _assert_same(model, opt, twin, topt, it)
+    assert step.stats.compiles == 3  # the first step, the later ones, a new weight_decay

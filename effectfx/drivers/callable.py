@@ -26,7 +26,14 @@ from ..errors import BackendError, PythonStateError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.traced import TensorMeta
 from ..guards.check import GuardChecker, resolve
-from ..guards.floats import capture_with_floats, changed_floats, current, float_inputs
+from ..guards.floats import (
+    TENSOR_HYPERPARAMETERS,
+    FloatInputs,
+    capture_with_floats,
+    changed_floats,
+    current,
+    float_inputs,
+)
 from ..guards.identity import ambient, leaf_key
 from ..guards.values import Path, plain_value
 from ..guards.words import guard_text, path_text
@@ -124,6 +131,7 @@ class CompiledEntry:
     why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
     floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
     float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
+    float_paths: tuple[Path, ...] = ()  # the paths read as inputs (a tuple's: its elements are cells)
 
     def __post_init__(self) -> None:
         self.check = GuardChecker(self.guards)  # the same guards, as code for the hot path
@@ -306,14 +314,15 @@ class CompiledCallable:
                     failed = [f for e in self.cache.get(key, ()) for f in e.check.failed()]
                     why = [guard_text(guard, got, names) for guard, got in failed]
                     # the floats earlier programs took as inputs, and those that changed: inputs now
-                    good = frozenset(p for e in self.cache.get(key, ()) for _, p in e.floats)
+                    good = frozenset(p for e in self.cache.get(key, ()) for p in e.float_paths)
                     new = [p for p in changed_floats(failed) if p not in good and p not in self._specialized]
                     if len(why) > 4:  # (a training step's optimizer state: one guard per tensor)
                         why[3:] = [f"and {len(why) - 3} more"]
                     dims, why_dynamic = self.shapes.dims_for(group, leaves)
                     try:
-                        entry = capture_with_floats(lambda paths: self._compile(args, kwargs, dims, paths),
-                                                    good, new, self._specialized)
+                        entry = capture_with_floats(lambda floats: self._compile(args, kwargs, dims, floats),
+                                                    good, new, self._specialized, TENSOR_HYPERPARAMETERS
+                                                    if self.dynamic else frozenset())
                     except RuntimeError as e:  # torch.func refused an autograd.Function: a region's call
                         if vmap and _raised_in_autograd_function(e):
                             raise self._torch_func_refusal("Vmap", _READS_GRAD) from e
@@ -326,7 +335,7 @@ class CompiledCallable:
                     entry.why_dynamic = why_dynamic if dims else ""
                     if entry.floats:
                         entry.why = (*entry.why, "float inputs: " + ", ".join(
-                            entry.float_names.get(p) or path_text(p, (), names) for _, p in entry.floats))
+                            entry.float_names.get(p) or path_text(p, (), names) for p in entry.float_paths))
                     self.cache.setdefault(key, []).append(entry)
                     self.shapes.add(group, entry)
                     return entry, leaves, list(entry.forward.lifted)
@@ -335,9 +344,9 @@ class CompiledCallable:
         return found[0], leaves, found[1]
 
     def _compile(self, args: tuple, kwargs: dict, dynamic: Dynamic | None = None,
-                 floats: frozenset[Path] = frozenset()) -> CompiledEntry:
+                 floats: FloatInputs | None = None) -> CompiledEntry:
         start = time.perf_counter()
-        with float_inputs(floats) as inputs:  # (Note [Float inputs])
+        with float_inputs(floats or FloatInputs(frozenset())) as inputs:  # (Note [Float inputs])
             traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions,
                                    dynamic=dynamic)
         self._refuse_changing_state(traced.forward if isinstance(traced, TrainingProgram) else traced)
@@ -362,6 +371,7 @@ class CompiledCallable:
             floats=tuple((len(positions) + i, cells[id(t)]) for i, t in enumerate(forward.lifted)
                          if id(t) in cells),
             float_names=inputs.names,
+            float_paths=tuple(inputs.read),
         )
 
     def _refuse_changing_state(self, forward: Program) -> None:

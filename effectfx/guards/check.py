@@ -35,6 +35,8 @@ def step(value: Any, s: Any) -> Any:
     if s == HOOKS:  # a module's hooks (or torch's global ones, from the GLOBAL root): guards.hooks
         found = hooks_of(value)
         return MISSING if found is None else found
+    if isinstance(s, tuple) and s[0] == "index":  # an element of a tuple (Note [Float inputs])
+        return value[s[1]] if type(value) is tuple and s[1] < len(value) else MISSING
     if isinstance(s, tuple):  # ("item", key) of a dict; ("key", Ref(obj)): keyed by an object (a tensor)
         key = s[1].obj if s[0] == "key" else s[1]
         return value.get(key, MISSING) if isinstance(value, dict) else MISSING

@@ -152,10 +152,10 @@ class Writer:
     def read(self, path: Path) -> str | None:
         """The variable holding the value at ``path`` (each prefix read once), or None where the code does
         not read it: a path from a call site's arguments, or a step that is not an attribute, ``("item",
-        key)`` of a dict or ``("key", Ref(obj))``."""
+        key)`` of a dict, ``("key", Ref(obj))`` or ``("index", i)`` of a tuple."""
         steps = path[1:]
         if path[0][0] != "id" or not steps or not all(
-                isinstance(step, str) or step[0] in ("item", "key") for step in steps):
+                isinstance(step, str) or step[0] in ("item", "key", "index") for step in steps):
             return None
         var = self.constant(path[0][1].obj)
         for name in steps:
@@ -165,6 +165,9 @@ class Writer:
                 nxt = self.reads[key] = f"v{len(self.reads)}"
                 if isinstance(name, str):
                     self.lines.append(f"{nxt} = getattr({var}, {name!r}, MISSING)")
+                elif name[0] == "index":
+                    self.lines.append(f"{nxt} = {var}[{name[1]}] if type({var}) is tuple and len({var}) > "
+                                      f"{name[1]} else MISSING")
                 else:
                     c = self.constant(name[1].obj if name[0] == "key" else name[1])
                     self.lines.append(f"{nxt} = {var}.get({c}, MISSING) if isinstance({var}, dict) "

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .floats import active_floats
+from .floats import active_floats, floats_or_tuple
 from .kinds import Equals, Guard, IsStr, ObjectState, OfType, SameObject, guard_on
 from .labels import Label
 from .values import MISSING, Path, Ref, class_of, plain_value, watchable
@@ -250,10 +250,11 @@ class Reads:
         elif isinstance(value, str) and innermost and self.on_label is not None and isinstance(
                 self.guards.get(path), (IsStr, type(None))):
             return self.on_label(path, value)
-        elif type(value) is float and not self.structural and innermost and (floats := active_floats()):
+        elif floats_or_tuple(value) and not self.structural and innermost and (floats := active_floats()):
             cell = floats.cell(path, value)  # a float that changed: an input (Note [Float inputs])
             if cell is not None:
-                self.guards.setdefault(path, OfType(path, float))
+                for guard in floats.guards(path, value):
+                    self.guards.setdefault(guard.path, guard)
                 return cell
             self.guards.setdefault(path, guard_on(path, value, self.structural))
         elif path not in self.guards:

@@ -193,9 +193,9 @@ class TrainingStep:
                         "the new value at its next call (Note [Training step])."
                     )
                 floats = active_floats()
-                cells = floats.cells if floats is not None else {}
-                guards.extend(OfType(path, float) if path in cells else _expect(path, v)
-                              for path, v in ((_item(group, key), v) for key, v in now.items()))
+                for path, v in ((_item(group, key), v) for key, v in now.items()):
+                    guards.extend(floats.guards(path, v) if floats is not None and path in floats.read
+                                  else [_expect(path, v)])
             for p, before in state.values():
                 where = (("id", Ref(opt.state)), ("key", Ref(p)))
                 after = opt.state.get(p, {})
@@ -367,7 +367,8 @@ def _step_begins(opt: Any, args: Any, kwargs: Any) -> None:
     floats = active_floats()
     for k, group in enumerate(opt.param_groups if floats is not None else ()):
         for key, value in list(group.items()):  # a changed hyperparameter: an input (Note [Float inputs])
-            cell = floats.cell(_item(group, key), value, f"{type(opt).__name__}.param_groups[{k}][{key!r}]")
+            cell = floats.cell(_item(group, key), value, f"{type(opt).__name__}.param_groups[{k}][{key!r}]",
+                               hyperparameter=key)
             if cell is not None:
                 changed.append((group, key, value))
                 group[key] = cell
