@@ -282,6 +282,60 @@ def test_inductor_gpt2_with_gradient_checkpointing_draws_as_eager() -> None:
     assert_as_eager(gpt2, gpt2_step, compiled_gpt2("inductor"), exact=False)
 
 
+def llama() -> nn.Module:
+    """Llama with attention dropout (its default is 0: 0.1 makes the recompute draw) and transformers'
+    gradient checkpointing."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
+                                      attention_dropout=0.1, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def assert_trains_as_eager(make: Callable[[], nn.Module], backend: str, n: int = 3) -> None:
+    """``n`` AdamW steps with the model compiled: eager's losses, gradients and parameters (rtol 1e-5 on
+    the default backend, Inductor's tolerance on its own) and the generator where eager leaves it."""
+    model = make()
+    twin = copy.deepcopy(model)
+    compiled = efx.compile(model, backend=backend)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if backend == "eager" else {"rtol": RTOL, "atol": ATOL}
+    found = []
+    for m, call in ((twin, twin), (model, compiled)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        torch.manual_seed(1234)
+        log = []
+        for _ in range(n):
+            loss = call(IDS, labels=IDS).loss
+            loss.backward()
+            log.append((loss.detach(), [p.grad.clone() for p in m.parameters()], torch.get_rng_state()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        found.append((log, [p.detach().clone() for p in m.parameters()]))
+    (want, want_params), (got, got_params) = found
+    for (w_loss, w_grads, w_state), (g_loss, g_grads, g_state) in zip(want, got, strict=True):
+        torch.testing.assert_close(g_loss, w_loss, **tol)
+        for g, w in zip(g_grads, w_grads, strict=True):
+            torch.testing.assert_close(g, w, **tol)
+        assert torch.equal(g_state, w_state)
+    for g, w in zip(got_params, want_params, strict=True):
+        torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_llama_with_gradient_checkpointing_trains_as_eager() -> None:
+    assert_trains_as_eager(llama, "eager")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
+def test_inductor_with_gradient_checkpointing_trains_as_eager(make: Callable[[], nn.Module]) -> None:
+    assert_trains_as_eager(make, "inductor")
+
+
 class Ignores(nn.Module):
     @efx.region
     def r0(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
