@@ -12,6 +12,9 @@ Systems (:data:`SYSTEMS`; every one builds its own model and AdamW from the same
 * ``efx_model``: ``efx.compile(model)`` called inside an otherwise eager step (backward, clipping and the
   optimizer run eagerly);
 * ``efx_step_inductor``: ``efx.compile(step, backend="inductor")``;
+* ``efx_step_cosine``, ``eager_cosine``: ``efx.compile(step)`` and the eager step with a new Python float
+  ``param_groups[0]["lr"]`` before every step (nanoGPT's cosine decay): the lr is an input after its first
+  change (Note [Float inputs]), so the step costs two captures and the time of a constant-lr step;
 * ``tc_step``, ``eager_pure``: ``torch.compile(step)`` (Inductor) of the model built with
   ``hf.build("gpt2", logged=False)`` and a step without effect ops (torch.compile drops the ops effectfx
   knows and it does not: its effect-free run is the fair comparison), and that step eagerly, its reference.
@@ -32,7 +35,7 @@ rounds (one sample per system per round, of >= 20 ms of steps), medians, and pai
 
 Run: ``python benchmarks/train_step.py [--quick] [--out DIR] [--reps R] [--batch B] [--systems a,b]``; a full
 run writes ``results/train_step.json`` and ``.png`` (``--quick``: ``results/quick/``, eager / efx_step /
-efx_model only, no Inductor or torch.compile, well under a minute).
+efx_model and the cosine pair only, no Inductor or torch.compile, well under a minute).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ FULL = {"reps": 3, "inductor_reps": 2, "calls": 3, "check_steps": 10, "budget_s"
         "systems": tuple(SYSTEMS)}
 # a smoke run: no Inductor, no torch.compile (their first calls take a minute or more each)
 QUICK = {"reps": 1, "inductor_reps": 1, "calls": 3, "check_steps": 3, "budget_s": 2.0, "min_rounds": 3,
-         "systems": ("eager", "efx_step", "efx_model")}
+         "systems": ("eager", "efx_step", "efx_model", "eager_cosine", "efx_step_cosine")}
 
 
 # -- the first calls, in a subprocess ------------------------------------------------------------------------
@@ -258,7 +261,7 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="eager, efx_step, efx_model only (no Inductor, no torch.compile), short budget")
+                        help="eager, efx_step, efx_model, the cosine pair (no Inductor, no torch.compile), short budget")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every system's first calls")
     parser.add_argument("--inductor-reps", type=int, default=None,
                         help="the same, for efx_step_inductor and tc_step")

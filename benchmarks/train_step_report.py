@@ -53,7 +53,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "grads_none": bool(checks) and all(c["grads_none"] == c["eager_grads_none"] for c in checks),
             "check_steps": check.get("steps"),
             "step_ms": step.get(system), "step_cpu_ms": step_cpu.get(system)}
-        for other, key in ((ref, "eager"), ("efx_model", "efx_model"), ("tc_step", "tc")):
+        for other, key in ((ref, "eager"), ("efx_model", "efx_model"), ("tc_step", "tc"), ("efx_step", "efx_step")):
             mine = other != system
             s[f"over_{key}"] = common.ratio(step.get(system), step.get(other)) if mine else None
             s[f"cpu_over_{key}"] = common.ratio(step_cpu.get(system), step_cpu.get(other)) if mine else None
@@ -68,13 +68,19 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         targets["step_captures"] = {"target": f"== {TARGETS['step_captures']}", "value": c,
                                     "met": bool(c) and set(c) == {TARGETS["step_captures"]}
                                     and out["efx_step"]["captures_in_checks"] == TARGETS["step_captures"]}
-    for system, name in (("efx_step", "step_over_efx_model"),
-                         ("efx_step_inductor", "inductor_over_efx_model")):
-        if system in out and out[system]["over_efx_model"] is not None:
-            ratio = out[system]["over_efx_model"]
+    if "efx_step_cosine" in out:  # a new float lr every step: an input after the first change
+        c = out["efx_step_cosine"]["captures"]
+        targets["cosine_captures"] = {"target": f"<= {TARGETS['cosine_captures']}", "value": c,
+                                      "met": bool(c) and max(c) <= TARGETS["cosine_captures"]
+                                      and out["efx_step_cosine"]["captures_while_timing"] == 0}
+    for system, name, over in (("efx_step", "step_over_efx_model", "efx_model"),
+                               ("efx_step_inductor", "inductor_over_efx_model", "efx_model"),
+                               ("efx_step_cosine", "cosine_over_step", "efx_step")):
+        if system in out and out[system][f"over_{over}"] is not None:
+            ratio = out[system][f"over_{over}"]
             targets[name] = {"target": f"<= {TARGETS[name]}x", "value": ratio,
-                             "cpu": out[system]["cpu_over_efx_model"],
-                             "paired": out[system]["paired_over_efx_model"], "met": ratio <= TARGETS[name]}
+                             "cpu": out[system][f"cpu_over_{over}"],
+                             "paired": out[system][f"paired_over_{over}"], "met": ratio <= TARGETS[name]}
     return {"systems": out, "targets": targets}
 
 

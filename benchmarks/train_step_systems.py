@@ -3,6 +3,7 @@ training step")."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,11 @@ SYSTEMS: dict[str, tuple[str, bool]] = {
     "efx_step_inductor": ("efx_step_inductor", True),
     "eager_pure": ("eager", False),
     "tc_step": ("tc_step", False),
+    "eager_cosine": ("eager", True),
+    "efx_step_cosine": ("efx_step", True),
 }
+# a new Python float lr in param_groups before every step (nanoGPT's loop): Note [Float inputs]
+SCHEDULED = ("eager_cosine", "efx_step_cosine")
 LABELS = {
     "eager": "eager step",
     "efx_step": "efx.compile(step)",
@@ -28,14 +33,25 @@ LABELS = {
     "efx_step_inductor": 'efx.compile(step, backend="inductor")',
     "eager_pure": "eager step, no effects",
     "tc_step": "torch.compile(step), no effects",
+    "eager_cosine": "eager step, cosine lr set every step",
+    "efx_step_cosine": "efx.compile(step), cosine lr set every step",
 }
 INDUCTOR = ("efx_step_inductor", "tc_step")
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
-TARGETS = {"step_captures": 2, "step_over_efx_model": 1.0, "inductor_over_efx_model": 0.9}
+TARGETS = {"step_captures": 2, "step_over_efx_model": 1.0, "inductor_over_efx_model": 0.9,
+           "cosine_captures": 2, "cosine_over_step": 1.05}
+SCHEDULE_STEPS = 100
+
+
+def lr_at(it: int) -> float:
+    """nanoGPT's cosine decay from LR to LR / 10 over SCHEDULE_STEPS steps, then again."""
+    return LR * (0.1 + 0.9 * (1 + math.cos(math.pi * (it % SCHEDULE_STEPS) / SCHEDULE_STEPS)) / 2)
 
 
 def reference_of(system: str) -> str:
     """The eager system ``system`` is checked and measured against: the same model, the same step."""
+    if system in SCHEDULED:
+        return "eager_cosine"
     return "eager" if SYSTEMS[system][1] else "eager_pure"
 
 
@@ -77,6 +93,7 @@ class System:
 
         how, logged = SYSTEMS[system]
         self.name = system
+        self.it, self.scheduled = 0, system in SCHEDULED
         self.model = hf.build("gpt2", seed=seed, logged=logged)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         forward: Callable[..., Any] = self.model
@@ -104,6 +121,10 @@ class System:
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[float, list]:
         from effectfx.testing.effect_ops import recording
 
+        if self.scheduled:
+            for group in self.opt.param_groups:
+                group["lr"] = lr_at(self.it)
+            self.it += 1
         with recording() as log:
             loss = self.step(batch)
         return float(loss.detach()), list(log)

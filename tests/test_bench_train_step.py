@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 if not (ROOT / "benchmarks" / "train_step.py").is_file():  # pragma: no cover - installed without sources
     pytest.skip("benchmarks/ not in this checkout", allow_module_level=True)
 
-SYSTEMS = ["eager", "efx_step", "efx_model"]
+SYSTEMS = ["eager", "efx_step", "efx_model", "eager_cosine", "efx_step_cosine"]
 EFFECTS_PER_STEP = 4 + 2  # one per layer, "after backward", the loss's log_tensor
 
 
@@ -80,6 +80,10 @@ def test_train_step_quick(tmp_path: Path) -> None:
         assert _finite_positive(steady["step_cpu_ms"][system])
         assert len(steady["samples_ms"][system]) == steady["rounds"]
     assert steady["checks"]["efx_step"]["captures_in_checks"] == 2
+    # a new float lr before every step: an input from its first change, still two captures in all
+    assert steady["checks"]["efx_step_cosine"]["captures_in_checks"] == 2
+    assert [c["captures"] for c in data["first_call"]["efx_step_cosine"][0]["calls"]] == [1, 2, 2]
+    assert steady["checks"]["eager_cosine"]["losses"] != steady["checks"]["eager"]["losses"]  # it schedules
     assert steady["checks"]["eager"]["max_param_diff"] == 0.0  # the reference against itself
 
     summary = data["summary"]
@@ -91,4 +95,6 @@ def test_train_step_quick(tmp_path: Path) -> None:
         assert _finite_positive(summary["systems"][system]["over_eager"])
     assert summary["systems"]["efx_step"]["captures"] == [2]
     assert summary["targets"]["step_captures"]["met"]
+    assert summary["targets"]["cosine_captures"]["met"]
+    assert _finite_positive(summary["targets"]["cosine_over_step"]["value"])  # measured, not required
     assert _finite_positive(summary["targets"]["step_over_efx_model"]["value"])  # measured, not required
