@@ -88,3 +88,35 @@ def test_layer_region_has_one_body(pair: Pair) -> None:
     # KV cache, and the ``name`` label): one body serves all of them, the label an operand of the effect.
     region = efx.explain(pair.compiled).regions[REGION]
     assert len(region.bodies) == 1, [b.differences for b in region.bodies]
+
+
+class MHABlock(nn.Module):
+    """torch's own nn.MultiheadAttention (its in-projection unflattens: a Python Tensor method) in a region
+    that records an effect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True, dropout=0.0)
+
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.efxtest.log_tensor(x, "mha in")
+        return x + self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_multihead_attention_trains_as_eager() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(MHABlock(), MHABlock())
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    compiled = efx.compile(model)
+    with recording() as want:
+        twin(x).square().mean().backward()
+    with recording() as got:
+        out = compiled(x)
+        out.square().mean().backward()
+    torch.testing.assert_close(out, twin(x))
+    assert got == want and len(got) == 2
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert efx.compile(lambda t: t.unflatten(-1, (2, -1)) * 2)(x).shape == (2, 5, 2, 8)

@@ -112,7 +112,9 @@ def _runs_python(func: Any, op: torch._ops.OpOverload | None) -> bool:
     Python (fake kernels, the tracer) must not see this mode."""
     if op is not None:
         return op.namespace != "aten" and decomposes(op)
-    return isinstance(func, types.FunctionType)
+    # (not torch.Tensor's own Python methods, ``unflatten``: their C half asks for the same function again,
+    # so staying active would redispatch it forever; they call no effect op)
+    return isinstance(func, types.FunctionType) and func.__module__ != "torch._tensor"
 
 
 def _plain(cls: type) -> bool:
