@@ -261,7 +261,8 @@ def run(quick: bool = False, reps: int | None = None, inductor_reps: int | None 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="eager, efx_step, efx_model, the cosine pair (no Inductor, no torch.compile), short budget")
+                        help="eager, efx_step, efx_model, the cosine pair (no Inductor, no torch.compile), "
+                             "short budget")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of every system's first calls")
     parser.add_argument("--inductor-reps", type=int, default=None,
                         help="the same, for efx_step_inductor and tc_step")

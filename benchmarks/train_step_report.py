@@ -53,7 +53,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "grads_none": bool(checks) and all(c["grads_none"] == c["eager_grads_none"] for c in checks),
             "check_steps": check.get("steps"),
             "step_ms": step.get(system), "step_cpu_ms": step_cpu.get(system)}
-        for other, key in ((ref, "eager"), ("efx_model", "efx_model"), ("tc_step", "tc"), ("efx_step", "efx_step")):
+        for other, key in ((ref, "eager"), ("efx_model", "efx_model"), ("tc_step", "tc"),
+                           ("efx_step", "efx_step")):
             mine = other != system
             s[f"over_{key}"] = common.ratio(step.get(system), step.get(other)) if mine else None
             s[f"cpu_over_{key}"] = common.ratio(step_cpu.get(system), step_cpu.get(other)) if mine else None

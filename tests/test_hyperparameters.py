@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import effectfx as efx
@@ -353,3 +355,45 @@ def test_dynamic_true_keeps_a_float_the_optimizer_needs() -> None:
         torch.testing.assert_close(step(x, y), eager(x, y), rtol=1e-5, atol=1e-5)
         _assert_same(model, opt, twin, topt, it)
     assert step.stats.compiles == 3  # the first step, the later ones, a new weight_decay
+
+
+# -- property: floats used every way, changed at random between calls ----------------------------------------
+USES = {  # how the code uses attribute f{i}: as a tensor would (an input once it changes) or as a float
+    "arith": "x = x * self.f{i} + self.f{i}",
+    "clamp": "x = torch.clamp(x, max=self.f{i} + 1.0)",  # (clamp.Tensor takes a cell)
+    "branch": "x = x * 2 if self.f{i} > 0.5 else x - 1",  # needs the float: specialized
+    "python": "x = x * float(self.f{i} * 2)",  # float() of a cell: specialized
+}
+
+
+def _floats_module(uses: list[str]) -> nn.Module:
+    lines = "\n".join("        " + USES[u].format(i=i) for i, u in enumerate(uses))
+    source = f"def forward(self, x):\n    if True:\n{lines}\n    return x.sum()\n"
+    scope: dict = {"torch": torch}
+    exec(compile(source, "<floats>", "exec"), scope)
+    model = type("Floats", (nn.Module,), {"forward": scope["forward"]})()
+    for i in range(len(uses)):
+        setattr(model, f"f{i}", 1.0)
+    return model
+
+
+@settings(max_examples=25, deadline=None)
+@given(uses=st.lists(st.sampled_from(sorted(USES)), min_size=1, max_size=3),
+       values=st.lists(st.lists(st.sampled_from([0.25, 1.0, 1.5, 3.0]), min_size=3, max_size=3),
+                       min_size=2, max_size=6))
+def test_floats_changed_between_calls_compute_what_eager_computes(uses: list[str], values: list[list[float]]
+                                                                  ) -> None:
+    model = _floats_module(uses)
+    compiled = efx.compile(model)
+    x = torch.linspace(-1, 1, 3, requires_grad=True)
+    for call in values:
+        for i in range(len(uses)):
+            setattr(model, f"f{i}", call[i])
+        got = compiled(x)
+        (g,) = torch.autograd.grad(got, x)
+        want = model(x)
+        (w,) = torch.autograd.grad(want, x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(g, w)
+    if all(u in ("arith", "clamp") for u in uses):  # every float a tensor can stand for: two captures at most
+        assert compiled.stats.compiles <= 2

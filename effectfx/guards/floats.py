@@ -20,9 +20,9 @@ An optimizer's hyperparameters are swapped for cells while its ``step`` is trace
 ``weight_decay`` or ``momentum`` (``!= 0`` in Python), and Adam's tensor ``betas`` become Python scalars
 (``.item()``: the weight of ``_foreach_lerp_``, the value of ``addcmul_``), so those stay values.  Under
 ``dynamic=True`` the ``lr`` (:data:`TENSOR_HYPERPARAMETERS`) is an input from the first capture, as sizes
-are; other floats wait for a change, as a failed capture costs a capture more.  Integers and bools always specialize; a
-float read inside a region body, or held in the compiled function's closure or globals (its signature),
-too.
+are; other floats wait for a change, as a failed capture costs a capture more.  Integers and bools always
+specialize; a float read inside a region body, or held in the compiled function's closure or globals (its
+signature), too.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class FloatInputs:
 
 def floats_or_tuple(value: Any) -> bool:
     """A float, or a non-empty tuple of floats: what can be an input."""
-    return type(value) is float or (type(value) is tuple and bool(value) and all(type(v) is float for v in value))
+    return type(value) is float or (
+        type(value) is tuple and bool(value) and all(type(v) is float for v in value))
 
 
 def active_floats() -> FloatInputs | None:
@@ -113,8 +114,8 @@ def float_inputs(inputs: FloatInputs) -> Iterator[FloatInputs]:
 def changed_floats(failed: Sequence[tuple[Guard, Any]]) -> list[Path]:
     """The paths of failed guards that held a float (or a tuple of floats) and find another of its kind:
     hyperparameters that change."""
-    return list(dict.fromkeys(g.path for g, found in failed if isinstance(g, Equals) and floats_or_tuple(found)
-                              and _count(_held(g)) == _count(found)))
+    return list(dict.fromkeys(g.path for g, found in failed if isinstance(g, Equals)
+                              and floats_or_tuple(found) and _count(_held(g)) == _count(found)))
 
 
 def _held(guard: Equals) -> Any:
