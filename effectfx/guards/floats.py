@@ -62,7 +62,7 @@ class FloatInputs:
     def cell(self, path: Path, value: Any, name: str = "", hyperparameter: str = ""
              ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """What stands for ``value`` read at ``path``: a tensor for a float, a tuple of them for a tuple of
-        floats (Adam's ``betas``); None if it is no input."""
+        floats (a scale and a shift); None if it is no input."""
         if not floats_or_tuple(value) or not self.wants(path, hyperparameter):
             return None
         if name:
