@@ -39,6 +39,7 @@ from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
 from .capture import trace_program
+from .eager_errors import eager_instead
 
 
 def lower_to_inductor(prog: Program) -> Program:
@@ -410,7 +411,14 @@ class CompiledCallable:
         vmap = FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
         if vmap:
             self._check_torch_func(args, kwargs)
-        entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
+        try:
+            entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
+        except Exception as exc:
+            failed = exc  # handled below, outside this handler: eager's own error is not chained to it
+        else:
+            failed = None
+        if failed is not None:  # the user's error raises as eager's, after eager's effects
+            return eager_instead(self.fn, args, kwargs, failed, self._name())
         self.stats.calls += 1
         program = entry.program
         forward = entry.forward
