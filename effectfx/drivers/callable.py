@@ -123,6 +123,7 @@ class CompiledEntry:
     guards: tuple = ()  # the capture's reads, by identity: checked before each run
     why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
     why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
+    why_shapes: tuple = ()  # (program, its shape guards that failed) per symbolic program of the same sizes
     floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
     float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
 
@@ -325,6 +326,7 @@ class CompiledCallable:
                     self.stats.compile_seconds.append(entry.compile_seconds)
                     entry.why = tuple(why)
                     entry.why_dynamic = why_dynamic if dims else ""
+                    entry.why_shapes = self.shapes.failed(group, leaves)
                     if entry.floats:
                         entry.why = (*entry.why, "float inputs: " + ", ".join(
                             entry.float_names.get(p) or path_text(p, (), names) for _, p in entry.floats))
