@@ -125,3 +125,18 @@ def test_hook_on_a_parameter_in_a_compiled_module_forward():
         compiled(x).backward()
     assert len(calls["efx"]) == len(calls["eager"]) == 3
     torch.testing.assert_close(calls["efx"], calls["eager"])
+
+
+def test_hook_closing_over_a_traced_tensor_is_refused_and_hooks_are_not_saved(tmp_path):
+    def closing(w, x):
+        scale = x.sum()
+        w.register_hook(lambda g: g * scale)
+        return (w * x).sum()
+
+    with pytest.raises(efx.CaptureError, match="closing over a tensor of the trace"):
+        efx.compile(closing)(torch.randn(3, requires_grad=True), torch.randn(3))
+
+    prog = efx.remove_effect_tokens(efx.capture(_hooked(Log()), torch.randn(3, requires_grad=True),
+                                                torch.randn(3)))
+    with pytest.raises(efx.SerializationError, match="registers tensor hooks"):
+        prog.forward.save(tmp_path / "p.efx")
