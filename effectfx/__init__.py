@@ -21,11 +21,13 @@ from .errors import (
     CaptureError,
     CaptureSideEffectWarning,
     DataDependentControlFlowError,
+    EagerFallbackWarning,
     EffectfxError,
     EffectfxWarning,
     FakeTensorLeakError,
     FreeTensorError,
     MissingFakeImplError,
+    OpError,
     PartialBackwardError,
     PythonStateError,
     RegionEffectsChangedError,
@@ -74,7 +76,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BackendError", "CallbackError", "CaptureError", "CaptureSideEffectWarning", "CompiledCallable",
-    "DataDependentControlFlowError", "EffectfxError",
+    "DataDependentControlFlowError", "EagerFallbackWarning", "EffectfxError", "OpError",
     "FakeTensorLeakError", "FreeTensorError", "MissingFakeImplError", "PartialBackwardError", "Program",
     "PythonStateError", "RegionEffectsChangedError", "RegionRecursionError", "RegistryError",
     "SerializationError", "SignatureMismatchError", "TensorSpec", "TrainingProgram",

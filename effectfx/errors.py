@@ -23,6 +23,47 @@ class CaptureError(EffectfxError):
     """A program could not be captured."""
 
 
+class OpError(CaptureError):
+    """An op raised an error while being captured, one eager PyTorch raises too (a shape check, a view of a
+    tensor that is not contiguous): :func:`op_error` makes it an instance of eager's class as well, so
+    ``except RuntimeError:`` catches it as it catches eager's (Note [Errors are eager's])."""
+
+    eager_class: type[BaseException] = Exception
+    eager_message = ""
+    where = ""  # the op, the graph and the user's line
+
+    def __str__(self) -> str:
+        return BaseException.__str__(self)  # (not KeyError's quotes, nor OSError's errno)
+
+    def __reduce__(self) -> tuple:
+        return op_error, (self.eager_class, self.eager_message, self.where)
+
+
+_OP_ERRORS: dict[type, type[OpError]] = {}
+
+
+def op_error(eager: type[BaseException], message: str, where: str) -> OpError:
+    """An :class:`OpError` saying eager's ``message``, then ``where`` it was raised, that is also an instance
+    of ``eager`` (``CaptureRuntimeError`` for ``RuntimeError``: one class per eager class), or of its nearest
+    base that can be both (a class that cannot be subclassed, or made from a message alone)."""
+    text = f"{message}\n(effectfx: {where})"
+    error = None
+    for base in eager.__mro__ if issubclass(eager, Exception) else ():
+        cls = _OP_ERRORS.get(base)
+        try:
+            if cls is None:
+                cls = type(f"Capture{base.__name__}", (OpError, base), {"__module__": __name__,
+                                                                        "eager_class": base})
+            error = cls(text)
+        except TypeError:
+            continue
+        _OP_ERRORS[base] = cls
+        break
+    error = error or OpError(text)
+    error.eager_message, error.where = message, where
+    return error
+
+
 class DataDependentControlFlowError(CaptureError):
     """Python control flow (``if``, ``int()``, ``.item()``) on a tensor's value during capture."""
 
@@ -102,6 +143,11 @@ class EffectfxWarning(UserWarning):
 
 class UnfaithfulPrintWarning(EffectfxWarning):
     """A Python ``print`` in captured code that cannot print at run time exactly what eager would print."""
+
+
+class EagerFallbackWarning(EffectfxWarning):
+    """A compiled call whose capture failed, run eagerly to raise eager's error, ran without one: its result
+    is eager's (Note [Errors are eager's])."""
 
 
 class CaptureSideEffectWarning(EffectfxWarning):

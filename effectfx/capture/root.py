@@ -20,6 +20,7 @@ from ..guards.kinds import Guard, Hooks
 from ..guards.reads import Reads, recording, report_read, unrecorded
 from ..guards.values import plain_value
 from ..interposers.collectives import refuse_parallel_wrappers
+from ..interposers.tensor_hooks import recording_hooks
 from ..interposers.training_step import TrainingStep, training_step
 from ..program.containers import register_tensor_holders
 from ..program.python_writes import PythonState
@@ -48,6 +49,7 @@ class RootTrace:
     reads: Reads
     written_args: tuple
     python: PythonState | None  # the Python state it writes (Note [Python state])
+    input_hooks: tuple  # tensor hooks the code registers on inputs (interposers.tensor_hooks)
 
 
 def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: Callable[..., Any],
@@ -86,11 +88,18 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
         roots = _state_roots(target, owner, leaves, names)
         journal = Journal(tracer, reads, "the captured function", root=True)  # Note [Python state]
         journal.start(roots)
-        with training_step(tracer, [owner, *leaves, *closure]) as step:  # Note [Training step]
+        with training_step(tracer, [owner, *leaves, *closure]) as step, recording_hooks() as hooks:
             run, written = with_written_state(fn, call_args, call_kwargs)
+            input_hooks: list = []
+
+            def run_then_take_hooks() -> Any:  # off the fakes before the capture derives the backward
+                out = run()
+                input_hooks.extend(hooks.take(scope.index_of, "the captured function"))
+                return out
+
             with journal:
-                traced = trace_graph(scope, step.wrap(journal.wrap(run)), "the captured function", "Root",
-                                     target, grad_outputs)
+                traced = trace_graph(scope, step.wrap(journal.wrap(run_then_take_hooks)),
+                                     "the captured function", "Root", target, grad_outputs)
                 if traced.backward is not None:
                     journal.check_unchanged("while its backward is derived (a backward hook?)")
         check_containers_unchanged("the captured function", target, written.before, call_args, call_kwargs,
@@ -112,7 +121,7 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
     )
     guards = (*[g for g in reads.guards.values() if not step.replaces(g.path)], *hook_guards, *step.guards)
     return RootTrace(tracer, traced, leaves, spec, names, signature, guards, step, reads, written.positions,
-                     journal.state())
+                     journal.state(), tuple(input_hooks))
 
 
 def _state_roots(target: Any, owner: Any, leaves: list[Any], names: list[str]) -> list[tuple[Any, str, Any]]:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import SignatureMismatchError
 from ..graph.symbols import is_symbolic
+from ..guards.words import shape_guard_text
 
 Dynamic = dict[int, frozenset[int]]  # tensor leaf index -> its dimensions whose sizes are symbols
 
@@ -186,6 +187,17 @@ class ShapeCache:
             if checks is not None and checks.hold([leaves[i] for i in entry.tensor_positions]):
                 out.append(entry)
         return out
+
+    def failed(self, group: tuple, leaves: list[Any]) -> tuple[tuple[Any, tuple[str, ...]], ...]:
+        """Per symbolic program of the group, the shape guards that failed on these tensors, with what
+        they read now (for ``efx.explain``)."""
+        out = []
+        for entry in self.groups.get(group, ()):
+            checks = entry.forward.signature.checks
+            if checks is not None:
+                tensors = [leaves[i] for i in entry.tensor_positions]
+                out.append((entry, tuple(shape_guard_text(g, tensors) for g in checks.failed(tensors))))
+        return tuple(out)
 
     def dims_for(self, group: tuple, leaves: list[Any]) -> tuple[Dynamic, str]:
         """The sizes the next capture makes symbolic, and why (for ``efx.explain``)."""

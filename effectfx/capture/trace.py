@@ -69,6 +69,13 @@ class Scope:
         self.sources.append(source)
         self.values.append(fake)
 
+    def index_of(self, tensor: torch.Tensor) -> int | None:
+        """The input ``tensor`` is (its value, or the tensor user code holds for it), or None."""
+        for i, value in enumerate(self.values):
+            if value is tensor or self.visible.get(i) is tensor:
+                return i
+        return None
+
     def writable(self, fake: torch.Tensor, nonleaf: bool) -> torch.Tensor:
         """The tensor user code gets for the input ``fake``.  A non-leaf the caller passes may be updated
         in place, as in eager; the input itself is a leaf of the trace's autograd (gradients are taken

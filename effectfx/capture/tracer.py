@@ -350,7 +350,7 @@ class Tracer(TorchDispatchMode):
 
                 with disable_fake_tensor_cache(self.fake_mode):
                     return self._run_fake(func, args, kwargs, key)
-            error, cause = fake_failure(exc, func, self.where())
+            error, cause = fake_failure(exc, func, args, kwargs, self.where())
             raise error from cause
 
     def _run_symbolic(self, func: Any, args: tuple, kwargs: dict) -> Any:

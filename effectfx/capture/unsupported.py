@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils._pytree import tree_map
 
 from ..errors import (
     CaptureError,
@@ -22,6 +26,7 @@ from ..errors import (
     EffectfxError,
     MissingFakeImplError,
     UnsupportedOperatorError,
+    op_error,
 )
 from ..graph.source import user_location
 from ..interposers.takeover import taken_over
@@ -65,10 +70,12 @@ def unsupported_operator(exc: BaseException, where: str) -> UnsupportedOperatorE
     )
 
 
-def fake_failure(exc: Exception, func: Any, where: str) -> tuple[EffectfxError, BaseException | None]:
+def fake_failure(exc: Exception, func: Any, args: tuple, kwargs: dict, where: str
+                 ) -> tuple[EffectfxError, BaseException | None]:
     """The error naming the op for torch's failure to run ``func`` on fakes, and the cause to chain (torch's
     own message says no more than ours for a missing fake or a data-dependent shape, under dozens of
-    dispatcher frames)."""
+    dispatcher frames).  A failure eager has too (the op fails on real tensors like the fakes) is eager's
+    error, of eager's class: :func:`effectfx.errors.op_error` (Note [Errors are eager's])."""
     text = str(exc)
     if "fake impl" in text or "meta" in text.lower() and "kernel" in text.lower():
         return MissingFakeImplError(
@@ -82,5 +89,42 @@ def fake_failure(exc: Exception, func: Any, where: str) -> tuple[EffectfxError, 
             "effectfx captures static shapes, or sizes symbolic in its inputs' (Note [Symbolic shapes]), "
             "never from a tensor's values. Mask instead of indexing (torch.where), or do that part outside."
         ), None
+    eager = _eager_error(func, args, kwargs)
+    if eager is not None:  # the user's error, not effectfx's: eager's class and message
+        return op_error(type(eager), str(eager), f"{func} raised this in {where} at {user_location()}, as "
+                                                 "it does in eager PyTorch"), None
     return CaptureError(f"effectfx could not trace {func} in {where} at {user_location()}: "
                         f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"), exc
+
+
+_REAL_LIMIT = 1 << 24  # elements: a bigger tensor is made on the meta device, whose checks are eager's too
+
+
+def _real(value: Any) -> Any:
+    """A real tensor (zeros) with a fake's sizes, strides, offset, dtype and device; a size hint for a
+    symbolic size."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return optimization_hint(value) if isinstance(value, torch.SymInt) else value.node.hint
+    if not isinstance(value, FakeTensor):
+        return value
+    size = [optimization_hint(s) for s in value.shape]
+    stride = [optimization_hint(s) for s in value.stride()]
+    offset = optimization_hint(value.storage_offset())
+    extent = 0 if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    device = value.fake_device if extent <= _REAL_LIMIT else torch.device("meta")
+    return torch.zeros(extent, dtype=value.dtype, device=device).as_strided(size, stride, offset)
+
+
+def _eager_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
+    """What eager raises running ``func`` on tensors like ``args``' fakes (a shape or dtype check fails
+    alike on any values), or None: the op runs in eager, and the failure is the fake kernel's alone."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch.no_grad():
+        try:
+            real_args, real_kwargs = tree_map(_real, (args, kwargs))
+        except Exception:  # (a device this process cannot allocate on)
+            return None
+        try:
+            func(*real_args, **real_kwargs)
+        except Exception as exc:
+            return exc
+    return None

@@ -46,6 +46,7 @@ from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
 from .capture import trace_program
+from .eager_errors import eager_instead
 
 
 def lower_to_inductor(prog: Program) -> Program:
@@ -129,6 +130,7 @@ class CompiledEntry:
     guards: tuple = ()  # the capture's reads, by identity: checked before each run
     why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
     why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
+    why_shapes: tuple = ()  # (program, its shape guards that failed) per symbolic program of the same sizes
     floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
     float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
     float_paths: tuple[Path, ...] = ()  # the paths read as inputs (a tuple's: its elements are cells)
@@ -333,6 +335,7 @@ class CompiledCallable:
                     self.stats.compile_seconds.append(entry.compile_seconds)
                     entry.why = tuple(why)
                     entry.why_dynamic = why_dynamic if dims else ""
+                    entry.why_shapes = self.shapes.failed(group, leaves)
                     if entry.floats:
                         entry.why = (*entry.why, "float inputs: " + ", ".join(
                             entry.float_names.get(p) or path_text(p, (), names) for p in entry.float_paths))
@@ -420,7 +423,14 @@ class CompiledCallable:
         vmap = FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
         if vmap:
             self._check_torch_func(args, kwargs)
-        entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
+        try:
+            entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
+        except Exception as exc:
+            failed = exc  # handled below, outside this handler: eager's own error is not chained to it
+        else:
+            failed = None
+        if failed is not None:  # the user's error raises as eager's, after eager's effects
+            return eager_instead(self.fn, args, kwargs, failed, self._name())
         self.stats.calls += 1
         program = entry.program
         forward = entry.forward

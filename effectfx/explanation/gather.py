@@ -216,7 +216,7 @@ def _program_report(prog: Program | TrainingProgram, title: str, fn: Any, why: s
         for record in p.history[shared:]:
             stages.append(Stage(record.name, record.seconds, half if len(halves) == 2 else ""))
     first = halves[0][1]
-    symbolic, guards = _shapes(first, fn)
+    symbolic, guards, _ = _shapes(first, fn)
     return ProgramReport(
         title=title, training=isinstance(prog, TrainingProgram), form=first.form,
         inputs=_describe_inputs(first, fn), token_keys=tuple(first.token_keys),
@@ -226,8 +226,8 @@ def _program_report(prog: Program | TrainingProgram, title: str, fn: Any, why: s
     )
 
 
-def _shapes(prog: Program, fn: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The inputs with symbolic sizes, and the shape guards spelled with the inputs' names."""
+def _shapes(prog: Program, fn: Any) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+    """The inputs with symbolic sizes, the shape guards spelled with the inputs' names, and those names."""
     sig = prog.signature
     try:
         names = _leaf_names(fn, sig.spec, sig.spec.num_leaves)
@@ -236,7 +236,7 @@ def _shapes(prog: Program, fn: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     tensor_names = [names[i] if i < len(names) else f"arg{i}" for i, _ in sig.tensor_meta]
     symbolic = tuple(f"{name} {m.short()}" for name, (_, m) in zip(tensor_names, sig.tensor_meta)
                      if m.symbolic)
-    return symbolic, tuple(sig.guard_text(g, tensor_names) for g in sig.shape_guards)
+    return symbolic, tuple(sig.guard_text(g, tensor_names) for g in sig.shape_guards), tensor_names
 
 
 def _signature_labels(cc: CompiledCallable, entry: CompiledEntry) -> tuple[str, ...]:
@@ -262,6 +262,16 @@ def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
             diffs = list(entry.why)
             other_n = next(i for i, (okey, _, _) in enumerate(done, 1) if okey == key)
             why = "; ".join(diffs) + f" (vs signature {other_n}: a value its capture read changed)"
+        elif entry.why_shapes:  # symbolic programs serve these sizes, but a shape guard of each failed
+            diffs, parts = [], []
+            for other, failed in entry.why_shapes:
+                sig = other.forward.signature
+                names = _shapes(other.forward, cc.fn)[2]
+                texts = [sig.guard_text(text, names) for text in failed]
+                other_n = next(i for i, (_, e, _) in enumerate(done, 1) if e is other)
+                diffs += texts
+                parts.append("; ".join(texts) + f" (vs signature {other_n}: a guard of its symbolic sizes)")
+            why = "; ".join(parts)
         else:
             def diff(item: tuple, key: tuple = key, labels: tuple = labels) -> list[str]:
                 okey, _, olabels = item

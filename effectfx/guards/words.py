@@ -4,6 +4,7 @@ compiled signature is new, and what ``efx.compile`` says about a guard that fail
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,18 @@ def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, st
 def guard_text(guard: Guard, found: Any, objects: dict[int, str] | None = None) -> str:
     """One guard that failed: ``Model.h.0.attn.scale: 0.5 -> 0.25``."""
     return f"{path_text(guard.path, (), objects)}: {guard.describe()} -> {guard.found_text(found)}"
+
+
+_TERM = re.compile(r"L\['t\d+'\]\.(?:size\(\)\[\d+\]|stride\(\)\[\d+\]|storage_offset\(\))")
+
+
+def shape_guard_text(guard: str, tensors: Sequence[torch.Tensor]) -> str:
+    """A symbolic program's shape guard that failed on a call's tensors, with what each size, stride and
+    storage offset it reads is now: ``L['t0'].storage_offset() == 1 failed: L['t0'].storage_offset() = 2``
+    (``InputSignature.guard_text`` names the tensors)."""
+    scope = {"L": {f"t{k}": t for k, t in enumerate(tensors)}}
+    now = ", ".join(f"{term} = {eval(term, {}, scope)}" for term in dict.fromkeys(_TERM.findall(guard)))
+    return f"{guard} failed: {now}" if now else f"{guard} failed"
 
 
 def guard_differences(old: Sequence[Guard], new: Sequence[Guard], leaf_names: Sequence[str] = ()

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
@@ -140,6 +141,18 @@ def view_outputs(outputs: list[Any], values: list[Any], n_mutations: int) -> tup
         if id(outputs[k]) not in new_nodes:  # (the new value itself is the caller's tensor already)
             pairs += [(k, j) for j in by_memory.get(memory(k), [])]
     return tuple(pairs)
+
+
+def returned_inputs(graph: fx.Graph, n_tokens: int, n_user: int, mutations: tuple[int, ...]
+                    ) -> tuple[tuple[int, int], ...]:
+    """``(k, i)``: the user's output ``k`` is input ``i`` (of ``run_flat``'s list) as it came, neither
+    computed nor written.  Eager returns the caller's tensor itself (``return x``): ``out is x``, and with a
+    leaf that requires grad ``out.grad`` is its gradient (a training program's autograd.Function would hand
+    back a new tensor instead)."""
+    placeholders = {node: i - n_tokens for i, node in enumerate(graph.find_nodes(op="placeholder"))}
+    outputs = list(next(reversed(graph.nodes)).args[0])[n_tokens:n_tokens + n_user]
+    return tuple((k, placeholders[node]) for k, node in enumerate(outputs)
+                 if node in placeholders and placeholders[node] >= 0 and placeholders[node] not in mutations)
 
 
 def onto_caller(out: Any, target: torch.Tensor, new: torch.Tensor) -> Any:

@@ -23,7 +23,15 @@ from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, 
 from ..graph.traced import OutputKind, OutputLeaf, TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.walk import subgraphs
 from . import serialize
-from .containers import onto_caller, same_objects, value_at, view_outputs, write_into, write_state
+from .containers import (
+    onto_caller,
+    returned_inputs,
+    same_objects,
+    value_at,
+    view_outputs,
+    write_into,
+    write_state,
+)
 from .python_writes import PythonState
 from .records import BodyInfo, Form, InputSignature, PassRecord, RegionEntry
 from .text import program_text
@@ -63,7 +71,11 @@ class Program:
     # Python state the code wrote (Note [Python state]): replayed after each run, the tensors written
     # after the user's results (before a training step's)
     python_state: PythonState | None = field(default=None, compare=False, repr=False)
+    # (input index, method, hook) per tensor hook the code registers on an input: made after each run, on
+    # that run's tensor, as eager registers it at each call (``interposers.tensor_hooks``)
+    input_hooks: tuple = field(default=(), compare=False, repr=False)
     _views: list = field(default_factory=list, init=False, compare=False, repr=False)  # (view_outputs)
+    _returned: list = field(default_factory=list, init=False, compare=False, repr=False)  # (returned_inputs)
 
     def __post_init__(self) -> None:  # a form, an output's kind, may be given by its name
         layout = tuple(OutputLeaf(OutputKind(kind), v) for kind, v in self.out_layout)
@@ -144,7 +156,17 @@ class Program:
 
     def write_back(self, inputs: list[Any], outs: list[Any]) -> list[Any]:
         """Write the new values of mutated inputs into the caller's tensors, as eager's in-place ops did;
-        ``outs`` holds the user's outputs then those values.  Returns the user's outputs."""
+        ``outs`` holds the user's outputs then those values.  Returns the user's outputs, where an input
+        comes back as it came the caller's tensor itself (``containers.returned_inputs``)."""
+        if not self._returned:
+            self._returned.append(returned_inputs(self.graph_module.graph, len(self.token_keys),
+                                                  len(outs) - len(self.mutations), self.mutations))
+        for i, name, hook in self.input_hooks:
+            getattr(inputs[i], name)(hook)
+        if self._returned[0]:
+            outs = list(outs)
+            for k, i in self._returned[0]:
+                outs[k] = inputs[i]
         if not self.mutations:
             return outs
         n_user = len(outs) - len(self.mutations)

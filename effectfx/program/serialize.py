@@ -125,6 +125,11 @@ class _Saver:
                 f"{', '.join(w.what for w in prog.python_state.writes[:3])}), which a file cannot hold. Save "
                 "the program of code that returns those values instead."
             )
+        if prog.input_hooks:
+            raise SerializationError(
+                f"{prog.name!r} registers tensor hooks (Python functions) on its inputs at each run "
+                "(effectfx.interposers.tensor_hooks), which a file cannot hold. Register them outside."
+            )
         if prog.form is not Form.TOKEN_FREE:
             raise SerializationError(
                 f"{prog.name!r} is in the {prog.form} form; only the token-free form is saved. Run "
