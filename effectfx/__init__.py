@@ -14,6 +14,7 @@ from .capture.shapes import mark_dynamic, mark_static
 from .drivers.callable import CompiledCallable
 from .drivers.capture import capture
 from .drivers.compile import compile
+from .drivers.dynamo_backend import register as _register_dynamo_backend
 from .effects import effect_of, register_effect
 from .errors import (
     BackendError,
@@ -48,6 +49,8 @@ from .passes.remove_tokens import remove_effect_tokens
 from .passes.unlift import unlift_tokens
 from .program.program import Program, TrainingProgram
 from .regions.decorator import region
+
+_register_dynamo_backend()  # torch.compile(backend="effectfx"), without importing Dynamo now
 
 if TYPE_CHECKING:
     from .backends.progress import log_compiles

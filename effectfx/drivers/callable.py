@@ -419,6 +419,7 @@ class CompiledCallable:
         if wrapped_or_grad(own)[0] is not None:  # functional_call under vmap (model ensembling)
             raise self._torch_func_refusal("Vmap", reason="batched")
 
+    @torch._disable_dynamo  # opaque to Dynamo: a graph break (drivers/dynamo_backend.py); lazy import
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         vmap = FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
         if vmap:

@@ -3,6 +3,6 @@ dispatches the op, ``effectfx.interposers.takeover``) and its autograd rule; its
 gives its name and token convention to printing, serialization, the rewrites and the token passes.
 Importing this package installs every family's rule."""
 
-from . import cond, flex, loops, print_hop
+from . import cond, dynamo_region, flex, loops, print_hop
 
-__all__ = ["cond", "flex", "loops", "print_hop"]
+__all__ = ["cond", "dynamo_region", "flex", "loops", "print_hop"]

@@ -219,6 +219,7 @@ class Program:
                 "next ones update it. Use efx.compile(step), which captures the program for each."
             )
 
+    @torch._disable_dynamo  # opaque to Dynamo: a graph break (drivers/dynamo_backend.py)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.check_state()
         inputs = self.flat_inputs(args, kwargs)
@@ -390,6 +391,7 @@ class TrainingProgram:
             self._unreached_inputs.append(found if any(found) else None)
         return self._unreached_inputs[0]
 
+    @torch._disable_dynamo  # opaque to Dynamo: a graph break (drivers/dynamo_backend.py)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.forward.check_state()
         inputs = self.forward.flat_inputs(args, kwargs)
