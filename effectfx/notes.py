@@ -64,6 +64,10 @@ the body gets a placeholder, each call site passes its own string, one body serv
 ``record_memory("forward", self.name)``.  Any other use -- comparison, hashing, formatting, slicing, a
 method, a non-effect op, a backward formula, being returned, or turning up inside another string the body
 bakes in (``"/".join(...)`` reads it in C) -- *specializes*: the value is baked back in and guarded.
+A string a forward (pre-)hook of a module the body is passed closes over or has as a default is a label
+too (``effectfx.guards.hooks.hook_labels``: ``lambda m, a, o, n=f"attn{i}": record(n)`` on every layer is
+one body); its path goes through the module's hook table to the hook's cell or default.  (A backward hook's
+strings stay keyed by value.)
 Numbers are never labels: CPython reads an int in C (``range(n)``, ``xs[i]``) without calling any of its
 methods, so a use could not be seen.
 
@@ -136,7 +140,10 @@ program (at run time) -- take their gradients unmaterialized; when some are miss
 backward for exactly the outputs that got one, which is traced once per set: the code is traced again
 (the same arguments, as they were at the call, for the forward may have written one in place since;
 the same grad mode and autocast) with ``torch.autograd.grad`` over those outputs only, and
-that trace's backward is kept; its forward is dropped.  The traces run the same forward, so the values
+that trace's backward is kept; its forward is dropped.  A body retraced while its caller's backward is
+derived (a nested region) runs below ``torch.autograd.grad``, which the label mode dispatched and is not
+active in: the retrace enters it again (``LabelMode.entered``), so its labels -- a hook's name too -- are the
+operands the first trace made them.  The traces run the same forward, so the values
 the new backward reads are found among the saved values of the first by node name (and metadata), and
 every node the new forward kept must be the first's, arguments and constants included; a mismatch is an
 error, never a guess.  A region's such backward is a subgraph of its own (``<body>_backward_01``: which

@@ -238,6 +238,52 @@ def test_golden_guards_on_what_calling_a_module_runs() -> None:
         assert _both(check) == (True, True)
 
 
+GOLDEN_HOOK_NAMES = """
+# C++ guards
+c0
+  .cell_contents == 'lin0'
+c1
+  <hook 0> is <function object>
+    <cell 'name'> == 'lin0'
+  <hook 1> is <function object>
+    <default 'n'> == 'lin0/pre'
+# then
+def check():
+    if identity_key(c0) != c1: return False
+    return True
+"""
+
+
+def test_golden_guards_on_names_hooks_close_over() -> None:
+    """A compiled program whose region bodies take the names hooks close over as operands guards each one
+    where the call site read it (``guards.hooks.hook_labels``): the hook at its position in the module's
+    table, by identity, then its cell or default -- all in the tree (through the table's item by the hook's
+    id, its keys unchanged, then the function's ``__closure__`` or ``__defaults__``), beside the module's
+    Hooks guard; the first two calls interpret."""
+    lin, name = torch.nn.Linear(2, 2), "lin0"
+    lin.register_forward_hook(lambda m, a, o: (m, name))
+    lin.register_forward_hook(lambda m, a, o, n="lin0/pre": (m, n))
+    first, second = lin._forward_hooks.values()
+    at = (("id", Ref(lin)),)
+    guards = (Hooks.on(lin), SameObject((*at, ("hook", "_forward_hooks", 0)), Ref(first)),
+              Equals((*at, ("hook", "_forward_hooks", 0), ("cell", 0, "name")), str, "lin0"),
+              SameObject((*at, ("hook", "_forward_hooks", 1)), Ref(second)),
+              Equals((*at, ("hook", "_forward_hooks", 1), ("default", 0, "n")), str, "lin0/pre"))
+    check = _ready(guards)
+    assert check.run.source.strip() == GOLDEN_HOOK_NAMES.strip()
+    for change, undo in ((lambda: setattr(first.__closure__[0], "cell_contents", "x"),
+                          lambda: setattr(first.__closure__[0], "cell_contents", "lin0")),
+                         (lambda: setattr(second, "__defaults__", ("x",)),
+                          lambda: setattr(second, "__defaults__", ("lin0/pre",))),
+                         (lambda: lin._forward_hooks.move_to_end(next(iter(lin._forward_hooks))),
+                          lambda: lin._forward_hooks.move_to_end(next(iter(lin._forward_hooks)))),
+                         (lambda: lin._forward_hooks.clear(), lambda: None)):
+        check = _ready(guards)
+        change()
+        assert _both(check) == (False, False)
+        undo()
+
+
 def test_a_checker_made_while_its_guards_fail_still_fails() -> None:
     """The third call makes the C++ tree; made while a dict item differs (an optimizer's ``lr`` changed
     since the capture), torch's dict accessor would take the unchanged dict for a holding guard."""
@@ -288,6 +334,16 @@ def _hook_naming_a_global() -> tuple[Guard, Callable[[], None]]:
     return Hooks.on(lin), rebind
 
 
+def _hook_name() -> tuple[Guard, Callable[[], None]]:
+    """A compiled program's guard on a string a layer's hook closes over, which its region body took as an
+    operand (``guards.hooks.hook_labels``): read through the hook, in the generated code."""
+    lin, name = torch.nn.Linear(2, 2), "lin0"
+    lin.register_forward_hook(lambda m, a, o: (m, name))
+    path = (("id", Ref(lin)), ("hook", "_forward_hooks", 0), ("cell", 0, "name"))
+    (hook,) = lin._forward_hooks.values()
+    return Equals(path, str, "lin0"), lambda: setattr(hook.__closure__[0], "cell_contents", "renamed")
+
+
 def _kind_case(make: Callable[[Any], Guard], change: Callable[[Any], None], **fields: Any
                ) -> Callable[[], tuple[Guard, Callable[[], None]]]:
     def case() -> tuple[Guard, Callable[[], None]]:
@@ -330,6 +386,7 @@ KIND_CASES: dict[str, tuple[Callable[[], tuple[Guard, Callable[[], None]]], str,
         "0 hooks", "0 hooks, an instance forward", "code"),
     "Hooks, a global the hook names rebound": (_hook_naming_a_global, "1 hook", "1 hook (_hook_fn rebound)",
                                                "code"),
+    "Equals, a name a hook closes over": (_hook_name, "'lin0'", "'renamed'", "tree"),
     "Keys": (_kind_case(lambda r: guard_on(_at(r, "_parameters"), r._parameters, structural=False),
                         lambda r: r._parameters.update(a=r._parameters.pop("a")),
                         _parameters={"a": 1, "b": 2}),

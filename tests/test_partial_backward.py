@@ -325,3 +325,34 @@ def test_a_retrace_that_drops_a_detach_runs_the_same_forward(use: int) -> None:
     for _ in range(2):
         got = torch.autograd.grad(compiled(x)[use].sum(), wrt)
         assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+@efx.region
+def _named(lin: nn.Linear, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    h = lin(x)
+    R.log_tensor(h, name)
+    return h, x * 2.0
+
+
+class _Named(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.lin, self.name = nn.Linear(4, 4), name
+
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _named(self.lin, x, self.name)[0].relu()  # (the inner region's first result only)
+
+
+def test_a_retrace_while_the_callers_backward_is_derived_keeps_labels_operands() -> None:
+    """The inner region's partial backward is traced anew while the outer body's backward is derived, where
+    autograd runs outside the label mode (``torch.autograd.grad`` goes through it): the retrace enters it
+    again, so the name stays the operand the first trace made it, not a constant of another forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Named("a"), _Named("b"))
+    eager = check_against_eager(model, x_grad(2, 4))
+    assert [e[1] for e in eager.log] == ["a", "b"]
+    compiled = efx.compile(model)
+    compiled(x_grad(2, 4)).sum().backward()
+    (prog,) = compiled.programs()
+    assert "'subgraph_1', x, lin_weight, lin_bias, 'a')" in prog.forward.code()  # one inner body, 'a' passed

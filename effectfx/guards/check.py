@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .emit import Tree, Writer
-from .hooks import HOOKS, hooks_of
+from .hooks import HOOK_STEPS, HOOKS, hook_step, hooks_of
 from .kinds import Guard
 from .reads import active_reads, report_read
 from .values import MISSING, Path
@@ -37,6 +37,8 @@ def step(value: Any, s: Any) -> Any:
         return MISSING if found is None else found
     if isinstance(s, tuple) and s[0] == "index":  # an element of a tuple (Note [Float inputs])
         return value[s[1]] if type(value) is tuple and s[1] < len(value) else MISSING
+    if isinstance(s, tuple) and s[0] in HOOK_STEPS:  # a string a hook closes over (hooks.hook_labels)
+        return hook_step(value, s)
     if isinstance(s, tuple):  # ("item", key) of a dict; ("key", Ref(obj)): keyed by an object (a tensor)
         key = s[1].obj if s[0] == "key" else s[1]
         return value.get(key, MISSING) if isinstance(value, dict) else MISSING
@@ -58,8 +60,9 @@ def resolve(path: Path, leaves: Sequence[Any], reported: dict | None = None) -> 
         if value is MISSING:
             return MISSING
         owner, value = value, step(value, s)
-        if recorded and not hasattr(type(owner), "__efx_watched__") and not isinstance(owner, torch.Tensor):
-            # (a watched object reports its own reads; a tensor's autograd state is its caller's own)
+        reports = not hasattr(type(owner), "__efx_watched__") or isinstance(s, tuple) and s[0] == "hook"
+        if recorded and reports and not isinstance(owner, torch.Tensor):
+            # (a watched object reports its own attribute reads; a tensor's autograd state is its caller's)
             key = (id(owner), s)
             if reported is not None and key in reported:
                 value = reported[key]

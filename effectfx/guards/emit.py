@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .hooks import HOOK_STEPS, hook_step
 from .values import MISSING, Path, plain_value
 
 # dicts whose ``get`` is dict's: torch's item accessor looks up as ``get`` does (a defaultdict's
@@ -41,6 +43,8 @@ class Tree:
         self.managers: dict[tuple, tuple[Any, Any, str]] = {}  # path -> (manager, value now, its text)
         self.typed: set[tuple] = set()
         self.checks: dict[tuple, list[str]] = {}  # path -> its checks, readable (``text``)
+        self.identities: set[tuple] = set()  # (path, id) of the identity checks made
+        self.inner: dict[tuple, tuple[Any, Any, str]] = {}  # managers between steps (``_inner``)
 
     def _holder(self, obj: Any) -> tuple:
         name = self.of_object.get(id(obj))
@@ -52,7 +56,8 @@ class Tree:
 
     def read(self, path: Path) -> tuple | None:
         """The manager of the value at ``path``, or None where the tree cannot read it: a path from a call
-        site's arguments, or a step that is not an attribute or a dict item by a plain key."""
+        site's arguments, or a step that is not an attribute, a dict item by a plain key or one into a
+        module's hooks."""
         if path[0][0] != "id" or len(path) < 2:
             return None
         at = self._holder(path[0][1].obj)
@@ -64,16 +69,77 @@ class Tree:
                     self.managers[nxt] = self._attribute(at, step)
                 elif step[0] == "item" and plain_value(step[1]) and type(value) in _DICTS:
                     key = step[1]  # (not an object key: torch's accessor compares keys with ==)
-                    if at not in self.typed:  # a dict item only of what is that kind of dict still
-                        manager.add_type_match_guard(id(type(value)), [f"type({text})"], None)
-                        self.typed.add(at)
+                    self._typed(at, manager, value, text)  # a dict item only of that kind of dict still
                     got = value.get(key, MISSING)
                     said = f"{text}[{key!r}]"
                     self.managers[nxt] = (manager.dict_getitem_manager(key, said, got, self.kind), got, said)
+                elif step[0] in HOOK_STEPS:
+                    made = self._hook_step(at, step)
+                    if made is None:
+                        return None
+                    self.managers[nxt] = made
                 else:
                     return None
             at = nxt
         return (*self.managers[at], at)
+
+    def _typed(self, at: tuple, manager: Any, value: Any, text: str) -> None:
+        """What is read from the value at ``at`` is read only of a value of its type still (torch's
+        accessors of a dict's item or a function's closure would crash on another)."""
+        if at not in self.typed:
+            manager.add_type_match_guard(id(type(value)), [f"type({text})"], None)
+            self.typed.add(at)
+
+    def _hook_step(self, at: tuple, step: tuple) -> tuple[Any, Any, str] | None:
+        """A step into a module's hooks (``hooks.hook_step``): its table's item by the hook's id (that at
+        the position now, the table's keys unchanged), then the function's cell, default or keyword default,
+        through its ``__closure__``, ``__defaults__`` or ``__kwdefaults__``.  (Stricter than the
+        interpretation only where a hook table changed, which the module's ``Hooks`` guard fails on.)"""
+        manager, value, text = self.managers[at]
+        if step[0] == "hook":
+            table = vars(value).get(step[1]) if isinstance(value, torch.nn.Module) else None
+            if type(table) not in _DICTS or step[2] >= len(table):
+                return None
+            tmanager, _, ttext = self._inner((*at, step[1]), lambda: (
+                manager.getattr_manager(step[1], f"{text}.{step[1]}", table, self.kind), table,
+                f"{text}.{step[1]}"))
+            if (*at, step[1]) not in self.typed:  # (the hook by its id, at its position: the keys in order,
+                # as the module's Hooks guard requires anyway)
+                self._typed((*at, step[1]), tmanager, table, ttext)
+                keys = list(table)
+                tmanager.add_mapping_keys_guard(dict.fromkeys(keys), [f"list({ttext}) == {keys}"], None)
+            key = list(table)[step[2]]
+            got, said = table[key], f"{ttext}[{key!r}]"
+            return tmanager.dict_getitem_manager(key, said, got, self.kind), got, said
+        if type(value) is not types.FunctionType:
+            return None
+        self._typed(at, manager, value, text)
+        if step[0] == "kwdefault":
+            kwdefaults, ktext = value.__kwdefaults__ or {}, f"{text}.__kwdefaults__"
+            kmanager, _, _ = self._inner((*at, "__kwdefaults__"), lambda: (
+                manager.func_kwdefaults_manager(ktext, kwdefaults, self.kind), kwdefaults, ktext))
+            got, said = kwdefaults.get(step[1], MISSING), f"{ktext}[{step[1]!r}]"
+            return kmanager.dict_getitem_manager(step[1], said, got, self.kind), got, said
+        held = value.__closure__ if step[0] == "cell" else value.__defaults__
+        name = "__closure__" if step[0] == "cell" else "__defaults__"
+        if held is None or step[1] >= len(held):
+            return None
+        make = manager.closure_manager if step[0] == "cell" else manager.func_defaults_manager
+        hmanager, _, htext = self._inner((*at, name), lambda: (make(f"{text}.{name}", held, self.kind), held,
+                                                             f"{text}.{name}"))
+        got, said = held[step[1]], f"{htext}[{step[1]}]"
+        item = hmanager.tuple_getitem_manager(step[1], said, got, self.kind)
+        if step[0] == "default":
+            return item, got, said
+        contents, said = got.cell_contents, f"{said}.cell_contents"
+        return item.getattr_manager("cell_contents", said, contents, self.kind), contents, said
+
+    def _inner(self, at: tuple, make: Callable[[], tuple[Any, Any, str]]) -> tuple[Any, Any, str]:
+        """A manager between a path's steps (a hook table, a closure), made once and not shown."""
+        found = self.inner.get(at)
+        if found is None:
+            found = self.inner[at] = make()
+        return found
 
     def _attribute(self, path: tuple, name: str) -> tuple[Any, Any, str]:
         manager, value, text = self.managers[path]
@@ -88,6 +154,9 @@ class Tree:
         return manager.getattr_manager(name, said, got, self.kind), got, said
 
     def same(self, read: tuple, value: Any) -> None:
+        if (read[3], id(value)) in self.identities:  # (hooks naming one global: checked once)
+            return
+        self.identities.add((read[3], id(value)))
         read[0].add_id_match_guard(id(value), [f"{read[2]} is {type(value).__name__}"], None)
         self.checks.setdefault(read[3], []).append("is None" if value is None else
                                                    f"is <{type(value).__name__} object>")
@@ -102,9 +171,7 @@ class Tree:
     def keys(self, read: tuple, keys: tuple) -> None:
         """The dict read has ``keys``, in that order (its type tested first: torch's check of the keys of
         what is not a mapping would crash)."""
-        if read[3] not in self.typed:
-            read[0].add_type_match_guard(id(type(read[1])), [f"type({read[2]})"], None)
-            self.typed.add(read[3])
+        self._typed(read[3], read[0], read[1], read[2])
         read[0].add_mapping_keys_guard(dict.fromkeys(keys), [f"list({read[2]}) == {list(keys)!r}"], None)
         self.checks.setdefault(read[3], []).append(f"keys {list(keys)!r}")
 
@@ -117,7 +184,8 @@ class Tree:
 
         def show(path: tuple) -> None:
             step = path[-1]
-            said = step if len(path) == 1 else f".{step}" if isinstance(step, str) else f"[{step[1]!r}]"
+            said = step if len(path) == 1 else f".{step}" if isinstance(step, str) else f"[{step[1]!r}]" \
+                if step[0] in ("item", "key") else f"<{step[0]} {step[-1]!r}>"  # (hooks.hook_step)
             lines.append("  " * (len(path) - 1) + " ".join([said, *self.checks.get(path, ())]))
             for child in children.get(path, ()):
                 show(child)
@@ -152,10 +220,11 @@ class Writer:
     def read(self, path: Path) -> str | None:
         """The variable holding the value at ``path`` (each prefix read once), or None where the code does
         not read it: a path from a call site's arguments, or a step that is not an attribute, ``("item",
-        key)`` of a dict, ``("key", Ref(obj))`` or ``("index", i)`` of a tuple."""
+        key)`` of a dict, ``("key", Ref(obj))``, ``("index", i)`` of a tuple or one into a module's hooks
+        (``hooks.hook_step``)."""
         steps = path[1:]
         if path[0][0] != "id" or not steps or not all(
-                isinstance(step, str) or step[0] in ("item", "key", "index") for step in steps):
+                isinstance(step, str) or step[0] in ("item", "key", "index", *HOOK_STEPS) for step in steps):
             return None
         var = self.constant(path[0][1].obj)
         for name in steps:
@@ -168,6 +237,8 @@ class Writer:
                 elif name[0] == "index":
                     self.lines.append(f"{nxt} = {var}[{name[1]}] if type({var}) is tuple and len({var}) > "
                                       f"{name[1]} else MISSING")
+                elif name[0] in HOOK_STEPS:  # a hook, a string it closes over (hooks.hook_labels)
+                    self.lines.append(f"{nxt} = {self.helper('hook_step', hook_step)}({var}, {name!r})")
                 else:
                     c = self.constant(name[1].obj if name[0] == "key" else name[1])
                     self.lines.append(f"{nxt} = {var}.get({c}, MISSING) if isinstance({var}, dict) "

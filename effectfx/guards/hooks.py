@@ -7,8 +7,10 @@ A *hook key* describes the hooks of one module (or torch's global ones), in the 
 them, then its instance ``forward`` (None: its class's).  In a body's key (``ModuleWalk.structure``,
 structural) a function is its code, the values it closes over and the globals it names -- plain data by
 value, anything else by identity -- so the layers of a stack whose hooks come from one ``lambda`` with equal
-values share a body, and a layer whose hook logs another name gets its own; a method bound to the module
-itself is its function (each layer's ``types.MethodType(f, layer)`` is one).  In a compiled program's guards
+values share a body; a method bound to the module itself is its function (each layer's
+``types.MethodType(f, layer)`` is one).  A forward hook's strings are keyed by type only: the body takes
+them as labels (:func:`hook_labels`), so a hook logging its layer's name is one body for every layer while
+it only passes the name to effect ops.  In a compiled program's guards
 (by identity, :func:`hooks_of`) a hook is the function object itself, and so is what its code names
 (:func:`names_of`): the closure cells and globals it reads, functions too -- a hook calling a global
 ``hook_fn`` calls whichever is bound now.  Registering or removing a hook on any module the program may run,
@@ -19,13 +21,15 @@ captures anew; undoing it serves the first program again.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.modules.module as torch_module
 
-from .values import Ref, plain_value
+from .labels import raw
+from .values import MISSING, Ref, plain_value
 
 # the hook tables nn.Module's call reads
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -36,29 +40,38 @@ GLOBAL = torch_module  # the path root of a guard on the global hooks
 HOOKS = ("hooks",)  # the path step of a guard on hooks (effectfx.guards.check.step)
 FORWARD = "forward"  # an instance attribute of that name is what nn.Module's call runs
 TABLES = 4  # a hook key: its hook tables, then the instance forward (then, in a guard's, what they name)
+# the hooks a body's trace runs itself, on its thread: the strings they close over are labels (operands)
+LABELLED = ("_forward_pre_hooks", "_forward_hooks")
 
 
 def _value(v: Any) -> Any:
     return v if plain_value(v) else Ref(v)
 
 
-def _hook(fn: Any, structural: bool) -> Any:
+def _slot(v: Any, labels: bool) -> Any:
+    # (``isinstance``, not a hash: a label in a cell while a body is traced would count it as used)
+    return ("str",) if labels and isinstance(v, str) else _value(v)
+
+
+def _hook(fn: Any, structural: bool, labels: bool = False) -> Any:
     """One hook as a key holds it: the function itself (by identity), or, ``structural``, its code, the
-    values it closes over and the globals it names."""
+    values it closes over and the globals it names; with ``labels`` (a forward hook), the strings it closes
+    over by type only: the body takes them as operands while only effects use them (:func:`hook_labels`)."""
     if not structural:
         return Ref(fn)
     if type(fn) is types.FunctionType:
         cells = []
         for cell in fn.__closure__ or ():
             try:
-                cells.append(_value(cell.cell_contents))
+                cells.append(_slot(cell.cell_contents, labels))
             except ValueError:  # an empty cell
                 cells.append(None)
         scope = fn.__globals__  # (the globals it names too: a body's effects are known by its key)
         named = tuple((name, _value(scope[name])) for name in dict.fromkeys(_names(fn.__code__))
                       if name in scope and not isinstance(scope[name], types.ModuleType))
-        return (Ref(fn.__code__), tuple(_value(v) for v in fn.__defaults__ or ()),
-                tuple((k, _value(v)) for k, v in (fn.__kwdefaults__ or {}).items()), tuple(cells), named)
+        kwdefaults = tuple((k, _slot(v, labels)) for k, v in (fn.__kwdefaults__ or {}).items())
+        return (Ref(fn.__code__), tuple(_slot(v, labels) for v in fn.__defaults__ or ()), kwdefaults,
+                tuple(cells), named)
     return Ref(fn)  # a bound method, a partial, a callable object: by identity
 
 
@@ -80,8 +93,9 @@ def _forward(module: torch.nn.Module, structural: bool) -> Any:
     return ("function", _hook(fn, structural))
 
 
-def _table(hooks: dict, flags: tuple[dict, ...], structural: bool) -> tuple:
-    return tuple((_hook(fn, structural), *(hook_id in f for f in flags)) for hook_id, fn in hooks.items())
+def _table(hooks: dict, flags: tuple[dict, ...], structural: bool, labels: bool = False) -> tuple:
+    return tuple((_hook(fn, structural, labels), *(hook_id in f for f in flags))
+                 for hook_id, fn in hooks.items())
 
 
 def has_hooks(module: torch.nn.Module) -> bool:
@@ -99,8 +113,8 @@ def hook_key(module: torch.nn.Module, structural: bool) -> tuple:
     d = module.__dict__
     pre_flags = (d.get("_forward_pre_hooks_with_kwargs", {}),)
     flags = (d.get("_forward_hooks_with_kwargs", {}), d.get("_forward_hooks_always_called", {}))
-    return (_table(d.get("_forward_pre_hooks", {}), pre_flags, structural),
-            _table(d.get("_forward_hooks", {}), flags, structural),
+    return (_table(d.get("_forward_pre_hooks", {}), pre_flags, structural, labels=True),
+            _table(d.get("_forward_hooks", {}), flags, structural, labels=True),
             _table(d.get("_backward_pre_hooks", {}), (), structural),
             _table(d.get("_backward_hooks", {}), (), structural),
             _forward(module, structural))
@@ -193,3 +207,111 @@ def tables(module: torch.nn.Module) -> tuple[dict, ...]:
 
 def global_tables() -> tuple[dict, ...]:
     return tuple(torch_module.__dict__[name] for name in _GLOBAL_DICTS)
+
+
+# -- strings hooks close over, as labels (Note [Region identity]) -------------------------------------------
+
+
+def named_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``module.named_modules()``, read from each module's ``__dict__``: effectfx's own walk, which a trace
+    does not record (its ``_modules`` read would be a guard on their order: ``kinds.Keys``)."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+
+    def walk(prefix: str, sub: torch.nn.Module) -> None:
+        if id(sub) not in seen:
+            seen.add(id(sub))
+            found.append((prefix, sub))
+            for name, child in vars(sub)["_modules"].items():
+                if child is not None:
+                    walk(f"{prefix}.{name}" if prefix else name, child)
+
+    walk("", module)
+    return found
+
+
+def _strings(fn: types.FunctionType) -> Iterator[tuple[tuple, str]]:
+    """``(step, value)`` for each string ``fn`` closes over or has as a default: what :func:`hook_step`
+    reads at ``step``."""
+    for k, cell in enumerate(fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, str):
+            yield ("cell", k, fn.__code__.co_freevars[k]), value
+    defaults = fn.__defaults__ or ()
+    parameters = fn.__code__.co_varnames[:fn.__code__.co_argcount][-len(defaults):] if defaults else ()
+    for k, (value, name) in enumerate(zip(defaults, parameters)):
+        if isinstance(value, str):
+            yield ("default", k, name), value
+    for name, value in (fn.__kwdefaults__ or {}).items():
+        if isinstance(value, str):
+            yield ("kwdefault", name), value
+
+
+def _put(fn: types.FunctionType, step: tuple, value: Any) -> Callable[[], None]:
+    """Put ``value`` where ``step`` of ``fn`` is; returns what puts back what was there."""
+    if step[0] == "cell":
+        cell = fn.__closure__[step[1]]  # type: ignore[index]
+        old = cell.cell_contents
+        cell.cell_contents = value
+        return lambda: setattr(cell, "cell_contents", old)
+    if step[0] == "default":
+        old_defaults = fn.__defaults__ or ()
+        fn.__defaults__ = (*old_defaults[:step[1]], value, *old_defaults[step[1] + 1:])
+        return lambda: setattr(fn, "__defaults__", old_defaults)
+    old_kw = dict(fn.__kwdefaults__ or {})
+    fn.__kwdefaults__ = {**old_kw, step[1]: value}
+    return lambda: setattr(fn, "__kwdefaults__", old_kw)
+
+
+HOOK_STEPS = frozenset({"hook", "cell", "default", "kwdefault"})  # (a path step's first item)
+
+
+def hook_step(value: Any, step: tuple) -> Any:
+    """What a path step into hooks reads (MISSING where there is nothing): ``("hook", table, position)`` of
+    a module, then ``("cell", k, name)``, ``("default", k, name)`` or ``("kwdefault", name)`` of the
+    function."""
+    try:
+        if step[0] == "hook":
+            return list(vars(value)[step[1]].values())[step[2]]
+        if type(value) is not types.FunctionType:
+            return MISSING
+        if step[0] == "cell":
+            return value.__closure__[step[1]].cell_contents  # type: ignore[index]
+        if step[0] == "default":
+            return value.__defaults__[step[1]]  # type: ignore[index]
+        return value.__kwdefaults__[step[1]]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return MISSING
+
+
+@contextmanager
+def hook_labels(leaves: list[Any], make: Callable[..., Any]) -> Iterator[None]:
+    """While a body is traced: each string a forward (pre-)hook of a module it is passed (or of one of its
+    submodules) closes over or has as a default is a label the body made (``make``: ``BodyLabels.make``),
+    at its path from the body's arguments -- the module, the hook's position, its cell or default.  A hook
+    that only passes it to effect ops (``lambda m, a, o, n=f"attn{i}": record(n)``) leaves it an operand:
+    one body for every layer, each call site passing its own.  The hooks' own cells and defaults hold the
+    labels meanwhile (the hook is the very function nn.Module calls), and get their values back after.
+
+    A label already there (an enclosing body's, traced meanwhile) is the parent: a use of the inner one
+    is a use of it."""
+    undo: list[Callable[[], None]] = []
+    try:
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.nn.Module):
+                continue
+            for prefix, sub in named_modules(leaf):
+                for table in LABELLED:
+                    for position, fn in enumerate(vars(sub).get(table, {}).values()):
+                        if type(fn) is not types.FunctionType:
+                            continue
+                        at = (("leaf", i), *(prefix.split(".") if prefix else ()), ("hook", table, position))
+                        for step, value in list(_strings(fn)):
+                            undo.append(_put(fn, step, make((*at, step), raw(value), parent=value)))
+        yield
+    finally:
+        for put_back in reversed(undo):
+            put_back()

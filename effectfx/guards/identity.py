@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..graph.traced import TensorMeta
-from .hooks import global_hook_key, has_hooks, hook_key, named_values
+from .hooks import global_hook_key, has_hooks, hook_key, named_modules, named_values
 from .labels import raw
 from .values import MISSING, Ref, class_of, freeze, plain_value
 
@@ -59,24 +59,6 @@ class ambient_context:  # noqa: N801  (used like torch.no_grad)
 
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
-
-
-def named_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``module.named_modules()``, read from each module's ``__dict__``: effectfx's own walk, which a trace
-    does not record (its ``_modules`` read would be a guard on their order: ``kinds.Keys``)."""
-    found: list[tuple[str, torch.nn.Module]] = []
-    seen: set[int] = set()
-
-    def walk(prefix: str, sub: torch.nn.Module) -> None:
-        if id(sub) not in seen:
-            seen.add(id(sub))
-            found.append((prefix, sub))
-            for name, child in vars(sub)["_modules"].items():
-                if child is not None:
-                    walk(f"{prefix}.{name}" if prefix else name, child)
-
-    walk("", module)
-    return found
 
 
 def module_tensors(module: torch.nn.Module, subs: list[tuple[str, torch.nn.Module]] | None = None

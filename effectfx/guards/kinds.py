@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .emit import Tree, Writer
-from .hooks import FORWARD, GLOBAL, HOOKS, TABLES, global_tables, hooks_of, identity_key, tables
+from .hooks import FORWARD, GLOBAL, HOOK_STEPS, HOOKS, TABLES, global_tables, hooks_of, identity_key, tables
 from .labels import Label, raw
 from .values import MISSING, Path, Ref, class_of, freeze, plain_value, watchable
 
@@ -90,7 +90,8 @@ class Equals(Guard):
         return self.cls is tuple and plain_value(self.value)
 
     def tree_check(self, tree: Tree) -> bool:
-        attributes = all(isinstance(step, str) for step in self.path[1:])
+        # (a str on a path of attributes, or to a string a hook closes over: not where a label may be)
+        attributes = all(isinstance(step, str) or step[0] in HOOK_STEPS for step in self.path[1:])
         if not (self.cls in _SCALARS or self._plain_tuple() or self.cls is str and attributes):
             return False
         read = tree.read(self.path)
@@ -99,11 +100,13 @@ class Equals(Guard):
         return read is not None
 
     def python_check(self, out: Writer) -> bool:
-        if not (self.cls in _SCALARS or self._plain_tuple()):
+        if not (self.cls in _SCALARS or self._plain_tuple() or self.cls is str):
             return False
         var = out.read(self.path)
         if var is not None and self.cls is tuple:
             out.fails_if(f"type({var}) is not tuple or {var} != {out.constant(self.value)}")
+        elif var is not None and self.cls is str:  # (any str: a label in a capture, raw)
+            out.fails_if(f"not isinstance({var}, str) or str.__str__({var}) != {out.constant(self.value)}")
         elif var is not None:
             out.equal(var, self.value)
         return var is not None
@@ -296,6 +299,9 @@ def guard_on(path: Path, value: Any, structural: bool) -> Guard:
         return Absent(path)
     if path[-1] in MODULE_TABLES and type(value) is dict:
         return Keys(path, tuple(value))
+    if isinstance(path[-1], tuple) and path[-1][0] == "hook":  # a hook, read for a label it closes over:
+        # which function it is, the key (a body's) or the module's Hooks guard (a program's) says already
+        return OfType(path, class_of(value)) if structural else SameObject(path, Ref(value))
     if isinstance(value, Label):
         return Equals(path, str, str.__str__(value))
     if plain_value(value):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..effects import effect_of
 
@@ -250,6 +250,15 @@ class LabelMode(TorchFunctionMode):
         self.sentinels: dict[str, Label] = {}
         self.grad_state_reads = 0
         self.counting = True  # off while effectfx itself differentiates the trace
+
+    def entered(self) -> contextlib.AbstractContextManager:
+        """The mode, to enter around a body's trace; nothing where it is on the stack already (an
+        enclosing body's trace).  It is off the stack while its own handler runs, and
+        ``torch.autograd.grad`` reaches the engine through that handler: a region's backward that traces
+        its body anew while its caller's backward is derived (Note [Partial backward]) enters it again, or
+        the retrace's labels would reach their effects as constants (another forward than the first)."""
+        on_stack = any(mode is self for mode in _get_current_function_mode_stack())
+        return contextlib.nullcontext() if on_stack else self
 
     def grad_state_read(self) -> None:
         """What the trace records depends on a tensor's autograd state (a printed ``grad_fn``, say)."""

@@ -31,6 +31,10 @@ def path_text(path: tuple, leaf_names: Sequence[str] = (), objects: dict[int, st
         if s == HOOKS:
             is_global = root[0] == "id" and root[1].obj is GLOBAL
             text = "torch's global module hooks" if is_global else f"{text} hooks"
+        elif isinstance(s, tuple) and s[0] == "hook":  # (hooks.hook_labels)
+            text = f"{text} {'forward pre-hook' if s[1] == '_forward_pre_hooks' else 'forward hook'} {s[2]}"
+        elif isinstance(s, tuple) and s[0] in ("cell", "default", "kwdefault"):
+            text = f"{text}'s {s[-1]}"  # (the name of the variable, or of the parameter)
         elif isinstance(s, tuple):
             text = s[1] if text == "globals" else f"{text}[{s[1]!r}]"
         elif s == "cell_contents" and text == "a closure cell":

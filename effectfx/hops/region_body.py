@@ -4,7 +4,6 @@ some outputs only (Note [Partial backward])."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from ..graph.traced import (
     same_forward,
     saved_positions,
 )
+from ..guards.hooks import hook_labels
 from ..guards.identity import autocasting, code_reads, key_labels, leaf_of_key, module_tensors
 from ..guards.labels import raw
 from ..guards.reads import Reads, recording, report_read
@@ -78,14 +78,14 @@ def trace(tracer: Tracer, region: Region, leaves: list[Any], spec: Any, args: tu
                      if i not in leafness and not isinstance(leaf, str)),
                    *code_roots(region.fn, f"region {region.name!r}"), *global_hook_roots()])
     # labels live only in bodies: the root's own calls (and the bookkeeping of its call sites) skip the mode
-    label_mode = contextlib.nullcontext() if tracer.region_stack else tracer.label_mode
+    label_mode = tracer.label_mode.entered()
     tracer.region_stack.append(region)
     grad_state_reads = tracer.label_mode.grad_state_reads
     # autocast's cached casts of weights are values of the graph that made them: a body neither reads its
     # caller's (nor an earlier trace's, a partial backward's retrace) nor leaves its own to its caller
     torch.clear_autocast_cache()
     try:
-        with label_mode, recording(reads):
+        with label_mode, recording(reads), hook_labels(leaves, labels.make):
             for holder, step, value in code_reads(region.fn):
                 report_read(holder, step, value)
             run, written = with_written_state(region.fn, body_args, body_kwargs)
