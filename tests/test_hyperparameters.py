@@ -395,5 +395,6 @@ def test_floats_changed_between_calls_compute_what_eager_computes(uses: list[str
         (w,) = torch.autograd.grad(want, x)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(g, w)
-    if all(u in ("arith", "clamp") for u in uses):  # every float a tensor can stand for: two captures at most
-        assert compiled.stats.compiles <= 2
+    if all(u in ("arith", "clamp") for u in uses):  # a tensor can stand for each: one capture more per float
+        changed = sum(len({call[i] for call in values}) > 1 for i in range(len(uses)))
+        assert compiled.stats.compiles <= 1 + changed
