@@ -38,6 +38,7 @@ from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
+from ..regions.decorator import active_tracer
 from .capture import trace_program
 
 
@@ -407,6 +408,8 @@ class CompiledCallable:
             raise self._torch_func_refusal("Vmap", reason="batched")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if active_tracer() is not None:  # called inside a capture: inlined (Note [Nested compiles])
+            return self.fn(*args, **kwargs)
         vmap = FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
         if vmap:
             self._check_torch_func(args, kwargs)
