@@ -233,6 +233,12 @@ its sizes as ints) gets one that keeps it symbolic (``capture.fakes``); any othe
 by ``efx.explain`` ("specialized"), with the shape guards and the symbolic inputs.  A size given to an
 effect op (an ``int`` argument) is a node like any other: the effect receives each call's real value.
 
+*Sizes as ints.*  To the captured code a symbolic size is an ``int``: ``isinstance(n, int)`` holds, with no
+guard, as under Dynamo (``interposers.sym_numbers``; torch's own code still sees a ``SymInt``);
+arithmetic, ``/``, ``math.floor`` / ``ceil`` / ``trunc`` and ``round`` given to tensor ops stay nodes
+(``graph.symbols``); what needs the value -- ``range``, ``int()``, ``if``, text, an expression with no
+node form such as ``round(n / 3, 2)`` -- gets it with a guard.
+
 Note [Higher-order ops]
 ~~~~~~~~~~~~~~~~~~~~~~~
 A higher-order op (HOP) of effectfx's graphs is a target that runs subgraphs its calling graph holds as

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,27 +41,49 @@ def symbol(k: int) -> sympy.Symbol:
 
 
 def input_metas(values: list[torch.Tensor]) -> tuple[tuple[Meta, ...], tuple[int, ...]]:
-    """The metadata of a segment's inputs (fakes), and the example value of each of its symbols."""
+    """The metadata of a segment's inputs (fakes), and the example value of each of its symbols.
+
+    Inductor reads a symbol's value from an input dimension or stride that is exactly it; a symbol found
+    only inside larger expressions -- ``(B*T, C)``, a flattened batch whose ``B`` and ``T`` no input has
+    alone -- is one it cannot bind ("expected [s1, s0] to have been codegen-ed").  The segment reads no
+    such symbol alone (``Lowering.size_inputs`` would have given it an input that has it), so each size
+    made of them is one symbol of its own here: ``(z0, C)``, with the strides that use it rewritten."""
+    exprs = [[[expr_of(d) if is_symbolic(d) else int(d) for d in group] for group in (t.shape, t.stride())]
+             for t in values]
+    bare = {d for sizes, strides in exprs for d in (*sizes, *strides) if isinstance(d, sympy.Symbol)}
+    atoms: dict[Any, Any] = {}  # a size made of symbols no input has alone -> the symbol standing for it
+    hint_of: dict[Any, int] = {}
+    for t, (sizes, _) in zip(values, exprs):
+        for d, e in zip(t.shape, sizes):
+            if isinstance(e, sympy.Expr) and e not in atoms and e.free_symbols - bare:
+                atoms[e] = sympy.Symbol(f"_atom{len(atoms)}", integer=True, positive=True)
+                hint_of[atoms[e]] = int(d.node.shape_env.guarding_hint_or_throw(e))
     renamed: dict[Any, Any] = {}
     hints: list[int] = []
     metas = []
-    for t in values:
+    for t, groups in zip(values, exprs):
         device = getattr(t, "fake_device", None) or t.device
         dims = []
-        for group in (t.shape, t.stride()):
+        for group in groups:
             out: list[Any] = []
-            for d in group:
-                if not is_symbolic(d):
-                    out.append(int(d))
+            for e in group:
+                if type(e) is int:
+                    out.append(e)
                     continue
-                expr = expr_of(d)
-                for s in sorted(expr.free_symbols - set(renamed), key=str):
+                for atom, symbol_ in atoms.items():  # (subs: 64*B*T is 64*z0 once B*T is z0)
+                    e = e.subs(atom, symbol_) if e.free_symbols & atom.free_symbols else e
+                for s in sorted(e.free_symbols - set(renamed), key=str):
                     renamed[s] = symbol(len(renamed))
-                    hints.append(int(d.node.shape_env.guarding_hint_or_throw(s)))
-                out.append(expr.xreplace(renamed))
+                    hints.append(hint_of[s] if s in hint_of else _hint(t, s))
+                out.append(e.xreplace(renamed))
             dims.append(tuple(out))
         metas.append((dims[0], dims[1], t.dtype, device))
     return tuple(metas), tuple(hints)
+
+
+def _hint(t: torch.Tensor, s: Any) -> int:
+    env = next(d.node.shape_env for d in (*t.shape, *t.stride()) if is_symbolic(d))
+    return int(env.guarding_hint_or_throw(s))
 
 
 def example_inputs(metas: tuple[Meta, ...], hints: tuple[int, ...], fake_mode: Any
@@ -150,7 +173,7 @@ def _quiet_unsaveable() -> Iterator[None]:
 
 def _parse(text: str) -> Any:
     names = {name: getattr(sympy_functions, name) for name in sympy_functions.__all__}
-    names.update({f"z{k}": symbol(k) for k in range(text.count("z") + 1)})
+    names.update({f"z{k}": symbol(int(k)) for k in re.findall(r"\bz(\d+)\b", text)})
     return sympy.sympify(text, locals=names)
 
 

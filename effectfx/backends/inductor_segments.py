@@ -136,7 +136,7 @@ class InductorSegment(torch.nn.Module):
         out = list(args)
         for i, (t, (shape, stride, _, _)) in enumerate(zip(args, self.inputs)):
             if self.hints:  # sizes and strides as expressions: the layout is their values here
-                stride = _evaluated(shape, stride, t.shape)
+                stride = _evaluated(shape, stride, t)
             if any(n > 1 and s != g for n, s, g in zip(t.shape, stride, t.stride())):
                 out[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
         return out
@@ -168,14 +168,25 @@ class InductorSegment(torch.nn.Module):
         return outs
 
 
-def _evaluated(shape: tuple, stride: tuple, actual: Any) -> tuple[int, ...]:
-    """A symbolic stride's values for a tensor of the ``actual`` shape (a symbol z<k> is the size of the
-    first dimension that is exactly it)."""
+def _evaluated(shape: tuple, stride: tuple, actual: torch.Tensor) -> tuple[int, ...]:
+    """A symbolic stride's values for a tensor like ``actual`` (a symbol z<k> is the first dimension or
+    stride that is exactly it: a view's row stride may be a symbol no size is)."""
     values: dict[Any, int] = {}
-    for d, n in zip(shape, actual):
+    for d, n in (*zip(shape, actual.shape), *zip(stride, actual.stride())):
         if type(d) is not int and d.is_Symbol:
             values.setdefault(d, int(n))
     return tuple(s if type(s) is int else int(s.xreplace(values)) for s in stride)
+
+
+def _position(inputs: tuple[Meta, ...], k: int) -> tuple[int, int, bool] | None:
+    """Where symbol z<k> is read from a call: (input, dimension, whether a stride) of the first input
+    size, else stride, that is exactly it."""
+    for stride in (False, True):
+        for i, meta in enumerate(inputs):
+            for d, n in enumerate(meta[1] if stride else meta[0]):
+                if n == symbol(k):
+                    return i, d, stride
+    return None
 
 
 class SymbolicSegment(torch.nn.Module):
@@ -189,9 +200,7 @@ class SymbolicSegment(torch.nn.Module):
         object.__setattr__(self, "source", source)
         self.inputs, self.where = inputs, where
         self.first = InductorSegment(source, inputs, where, hints, siblings)
-        # where each symbol z<k> is read from a call: the first input dimension that is exactly it
-        self.positions = [next(((i, d) for i, m in enumerate(inputs) for d, n in enumerate(m[0])
-                                if n == symbol(k)), None) for k in range(len(hints))]
+        self.positions = [_position(inputs, k) for k in range(len(hints))]
         self.by_sizes: dict[tuple[int, ...], InductorSegment] = {}
         self._one: InductorSegment | None = None  # the variant for every size, once known
 
@@ -225,11 +234,12 @@ class SymbolicSegment(torch.nn.Module):
         if not first.guards:
             self._one = first
             return first.forward(*args)
-        if None in self.positions:  # a size read only through an expression: no way to pick a variant
+        if None in self.positions:  # a symbol read only through an expression: no way to pick a variant
             first.fall_back(f"Inductor's code for it holds only where {first.guards}")
             self._one = first
             return first.forward(*args)
-        sizes = tuple(int(args[i].shape[d]) for i, d in self.positions)  # type: ignore[misc]
+        sizes = tuple(int(args[i].stride(d) if stride else args[i].shape[d])  # type: ignore[misc]
+                      for i, d, stride in self.positions)
         variant = self.by_sizes.get(sizes)
         if variant is None:
             known = (first, *self.by_sizes.values())

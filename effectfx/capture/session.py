@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..interposers import interpose, python_random  # noqa: F401  (python_random: its interposers)
+from ..interposers import interpose, python_random, sym_numbers  # noqa: F401  (their interposers)
 from ..interposers.dynamo_frames import frames_forgotten
 from ..interposers.python_print import capture_prints
 from ..regions import decorator as _regions

@@ -45,6 +45,7 @@ from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
 from ..program.records import alias_pattern
+from ..regions.decorator import active_tracer
 from .capture import trace_program
 from .eager_errors import eager_instead
 
@@ -421,6 +422,8 @@ class CompiledCallable:
 
     @torch._disable_dynamo  # opaque to Dynamo: a graph break (drivers/dynamo_backend.py); lazy import
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if active_tracer() is not None:  # called inside a capture: inlined (Note [Nested compiles])
+            return self.fn(*args, **kwargs)
         vmap = FUNCTORCH.peek_interpreter_stack() is not None  # torch.func: one C call on the hot path
         if vmap:
             self._check_torch_func(args, kwargs)

@@ -1,5 +1,19 @@
 """``efx.compile``: a function's :class:`~effectfx.drivers.callable.CompiledCallable`, or a module's compiled
-module -- an ``nn.Module`` that is the model for every purpose but the call (:func:`compiled_module`)."""
+module -- an ``nn.Module`` that is the model for every purpose but the call (:func:`compiled_module`).
+
+Note [Nested compiles]
+~~~~~~~~~~~~~~~~~~~~~~
+A library compiles a block, then its user compiles the model; or a compiled function calls another.  A
+compiled callable called while a capture runs on its thread (``active_tracer()``: a root, a region body, a
+program's retrace) is *inlined*: it calls the function it compiled, so the outer trace sees the code itself
+-- its regions stay regions, its effects effects, its parameters the outer program's lifted tensors -- as
+if it had never been compiled.  It runs no program of its own then, captures none, and counts no call in
+its ``stats``.  Called outside any capture it runs its own programs, from its own cache, as before: the
+block compiled alone and the model around it each keep theirs.  Compiling a compiled callable or module
+again is idempotent: with the same options it is the same object; with others, the original function or
+model compiled with them (never a compile of the compiled one).  A ``torch.compile``'d function inside
+captured code is Dynamo's, and is traced through (``interposers.dynamo_frames``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +25,7 @@ from typing import Any
 import torch
 
 from ..guards.reads import same_class
+from ..regions.decorator import active_tracer
 from .callable import CompiledCallable
 
 
@@ -22,9 +37,19 @@ def compile(fn: Callable[..., Any], *, backend: str = "eager",  # noqa: A001
     ``region:<name>`` around every region call.  ``dynamic`` (Note [Symbolic shapes]): None captures
     static first and makes the sizes that change between calls symbolic; True makes every size symbolic
     from the first call; False captures each new size anew."""
+    compiled = fn.compiled if isinstance(fn, torch.nn.Module) and _is_compiled(fn) else fn
+    if isinstance(compiled, CompiledCallable):  # compiled already: idempotent (Note [Nested compiles])
+        options = (compiled.backend, compiled.profile_regions, compiled.dynamic)
+        if options == (backend, profile_regions, dynamic):
+            return fn
+        fn = fn.original if compiled is not fn else compiled.fn
     if isinstance(fn, torch.nn.Module):
         return compiled_module(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
     return CompiledCallable(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    return getattr(type(module), "__efx_compiled__", None) is not None
 
 
 # -- the compiled module ----------------------------------------------------------------------------------
@@ -58,6 +83,8 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
                                 dynamic=dynamic)
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if active_tracer() is not None:  # inlined, with this module as ``self``: what the outer trace reads
+            return base.forward(self, *args, **kwargs)  # of it is guarded (Note [Nested compiles])
         return compiled(*args, **kwargs)
 
     # the model's own parameters, as inspect reads them: transformers' generate passes position_ids and
@@ -82,7 +109,7 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
                                                            profile_regions, dynamic),
         "original": property(lambda self: model, doc="the model this compiled module runs"),
         "_orig_mod": property(lambda self: model), "compiled": property(lambda self: compiled),
-        "__module__": base.__module__, "__qualname__": base.__qualname__,
+        "__efx_compiled__": base, "__module__": base.__module__, "__qualname__": base.__qualname__,
     }
     module = object.__new__(same_class(base, namespace))
     module.__dict__ = model.__dict__  # one state for both: parameters, buffers, submodules, hooks, flags

@@ -31,6 +31,44 @@ SIZE_TARGETS: dict[str, Any] = {
 }
 
 
+class _SizeArithmetic(PythonReferenceAnalysis):
+    """PythonReferenceAnalysis with every handler a graph node of :data:`SIZE_TARGETS`: torch's own makes a
+    sympy expression of ``int_truediv`` and ``trunc_to_int`` and calls ``math.floor`` / ``round`` on its
+    operands, which on ``fx.Proxy`` values ask for a bool (``x.shape[0] / 2``, ``math.floor(n / 2)``,
+    ``round(n / 3)`` in user code: test_dynamic_shapes.py, sizes as ints)."""
+
+    @staticmethod
+    def int_truediv(a: Any, b: Any) -> Any:
+        return operator.truediv(a, b)
+
+    @staticmethod
+    def trunc_to_int(x: Any, dtype: Any) -> Any:
+        return torch.sym_int(x)
+
+    @staticmethod
+    def floor(x: Any) -> Any:
+        return x // 1  # (a float's floor, as a float)
+
+    @staticmethod
+    def ceil(x: Any) -> Any:
+        return -((-x) // 1)
+
+    @staticmethod
+    def floor_to_int(x: Any, dtype: Any) -> Any:
+        return torch.sym_int(x // 1)
+
+    @staticmethod
+    def ceil_to_int(x: Any, dtype: Any) -> Any:
+        return torch.sym_int(-((-x) // 1))
+
+    @staticmethod
+    def round_to_int(a: Any, dtype: Any) -> Any:
+        # Python's round: half to even -- floor(a + 0.5), less one where that was a tie to an odd number
+        up = (a + 0.5) // 1
+        n = torch.sym_int(up)
+        return torch.sym_ite(operator.and_(up == a + 0.5, n % 2 == 1), n - 1, n)
+
+
 def is_symbolic(value: Any) -> bool:
     """A size (or a number computed from sizes) that is not a constant."""
     return isinstance(value, SYM_TYPES) and value.node.maybe_as_int() is None and not value.node.is_constant()
@@ -104,7 +142,12 @@ class Sizes:
             env = {}
             for symbol in sorted(expr.free_symbols, key=str):
                 env[symbol] = fx.Proxy(self._symbol(symbol), self._tracer)
-            result = sympy_interp(PythonReferenceAnalysis, env, expr)
+            try:
+                result = sympy_interp(_SizeArithmetic, env, expr)
+            except (TypeError, NotImplementedError, fx.proxy.TraceError):
+                # no node form (``round(n / 3, 2)``): the value, with a guard, as Python asking for it gets
+                self._erase_after(last)
+                return value.node.pytype(value)
             found = result.node if isinstance(result, fx.Proxy) else result
             node = last.next
             while node is not self.graph._root:
@@ -114,6 +157,16 @@ class Sizes:
                 found.meta["val"] = value
             self.exprs[expr] = found
         return found
+
+    def _erase_after(self, last: fx.Node) -> None:
+        made = []
+        node = last.next
+        while node is not self.graph._root:
+            made.append(node)
+            node = node.next
+        for node in reversed(made):
+            self.graph.erase_node(node)
+        self.symbols = {k: n for k, n in self.symbols.items() if n not in made}
 
     def _symbol(self, symbol: Any) -> fx.Node:
         node = self.symbols.get(symbol)

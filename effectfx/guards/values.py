@@ -83,9 +83,12 @@ def freeze(value: Any, depth: int = 0) -> Any:
 
 
 def class_of(value: Any) -> type:
-    """The object's own class, also while it is watched (its class swapped for a recording subclass)."""
+    """The object's own class, also while it is watched (its class swapped for a recording subclass); a
+    compiled module's is its model's, which is what a capture runs of it (Note [Nested compiles] in
+    ``effectfx.drivers.compile``)."""
     cls = type(value)
-    return getattr(cls, "__efx_watched__", cls)
+    cls = getattr(cls, "__efx_watched__", cls)
+    return getattr(cls, "__efx_compiled__", cls)
 
 
 def watchable(obj: Any) -> bool:

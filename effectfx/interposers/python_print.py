@@ -288,6 +288,8 @@ def _interpose_sym(cls: type) -> None:
 
     def format_(self: Any, spec: str) -> str:
         value = _pinned(self)
+        if value is None and spec and _current() is not None:  # (a size pinned already: ``{n / 2:.1f}``)
+            value = self.node.pytype(self)
         return original_format(self, spec) if value is None else format(value, spec)
 
     interpose(cls, "__repr__", repr_)
