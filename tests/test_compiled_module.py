@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import copy
 import io
+from typing import Any
 
+import pytest
 import torch
+from torch import nn
 
 import effectfx as efx
 from effectfx.testing import hf
@@ -120,3 +123,47 @@ def test_generate_calls_the_compiled_forward() -> None:
         got = compiled.generate(ids, **kwargs)
     assert torch.equal(got, expected) and log == eager_log
     assert compiled.stats.calls == 3  # every step ran the compiled forward (one capture per length)
+
+
+class _Flag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.on else x - 1
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3, 3), _Flag(), nn.Dropout(0.5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(3, 3), _Flag(), nn.Dropout(0.5)), _Stack],
+                         ids=["sequential", "modulelist"])
+def test_children_reached_by_iteration_are_guarded(make: Any) -> None:
+    """``nn.Sequential`` and a loop over a ``ModuleList`` reach their children through ``_modules``: what a
+    child's forward reads (a flag, ``training`` after ``.eval()``) is guarded as a ``self.a`` read is."""
+    torch.manual_seed(0)
+    model = make()
+    compiled = efx.compile(model)
+    x = torch.ones(2, 3)
+    flag = next(m for m in model.modules() if isinstance(m, _Flag))
+    for step in ("train", "flag off", "eval", "flag on"):
+        if step == "flag off":
+            flag.on = False
+        elif step == "eval":
+            model.eval()
+        elif step == "flag on":
+            flag.on = True
+        torch.manual_seed(1)
+        got = compiled(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, model(x), msg=step)
+    assert compiled.stats.compiles == 4

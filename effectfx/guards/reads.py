@@ -268,7 +268,21 @@ class Reads:
             if id(value) not in self.paths:
                 self.paths[id(value)] = path
                 self.named.append(value)  # its id names it only while it lives
+        elif step == "_modules" and type(value) is dict and isinstance(owner, torch.nn.Module):
+            self._children(path[:-1], value, watch)
         return value
+
+    def _children(self, path: Path, modules: dict, watch: bool) -> None:
+        """A module's submodules reached through its table (``nn.Sequential`` and ``ModuleList`` iterate
+        ``_modules.values()``): each is watched as ``path.<name>`` -- its reads are guards as a ``self.a``
+        read's are -- and is that module (by class, in a body)."""
+        for name, child in modules.items():
+            if isinstance(child, torch.nn.Module) and id(child) not in self.paths and (
+                    not watch or self.watcher.watch(child)):
+                at = (*path, name)
+                self.paths[id(child)] = at
+                self.named.append(child)
+                self.guards.setdefault(at, guard_on(at, child, self.structural))
 
     def tensor_read(self, owner: Any, step: Any, value: torch.Tensor) -> None:
         if not self.structural:
