@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, PythonStateError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
 from ..graph.traced import TensorMeta
-from ..guards.check import GuardChecker, resolve
+from ..guards.check import resolve
 from ..guards.floats import (
     TENSOR_HYPERPARAMETERS,
     FloatInputs,
@@ -35,7 +34,7 @@ from ..guards.floats import (
     float_inputs,
 )
 from ..guards.identity import ambient, leaf_key
-from ..guards.values import Path, plain_value
+from ..guards.values import Path
 from ..guards.words import guard_text, path_text
 from ..passes.pipeline import run_passes
 from ..passes.reinplace import reinplace_in_place
@@ -44,10 +43,10 @@ from ..passes.simplify import simplify_in_place
 from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
 from ..program.program import Program, TrainingProgram
-from ..program.records import alias_pattern
 from ..regions.decorator import active_tracer
 from .capture import trace_program
 from .eager_errors import eager_instead
+from .entry import CompiledEntry, CompileStats, Slot, same_tensors, shallow, slot_of, tensor_key
 
 
 def lower_to_inductor(prog: Program) -> Program:
@@ -70,96 +69,6 @@ BACKEND_PASSES: dict[str, list[Callable[[Program], Program]]] = {
 INFERENCE_PASSES: dict[str, list[Callable[[Program], Program]]] = {
     "eager": [reinplace_in_place], "inductor": [],
 }
-
-
-def _tensor_key(t: torch.Tensor) -> tuple:
-    # a plain tuple: cheaper on every call than TensorMeta.of, same fields; a tensor that requires grad
-    # and has a history is its own case (code may read ``x.is_leaf``, and the trace follows it)
-    grad = t.requires_grad and (t.is_leaf or "non-leaf")
-    return (t.shape, t.stride(), t.dtype, t.device, grad)
-
-
-def _same_tensors(leaves: Any) -> tuple:
-    """The same tensor (or views of one) passed twice is one graph input (``InputSignature.aliases``): its
-    own signature.  Cheap when no two leaves share a base, the usual call."""
-    tensors = tuple((i, None) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
-    bases = {id(leaves[i] if leaves[i]._base is None else leaves[i]._base) for i, _ in tensors}
-    if len(bases) == len(tensors):
-        return ()
-    leaves = list(leaves)
-    return alias_pattern(leaves, tensors), alias_pattern(leaves, tensors, bases=True)
-
-
-def _shallow(value: Any) -> Any:
-    """A hashable snapshot of plain data (numbers, strings, and dicts/lists/tuples of them), else None."""
-    if plain_value(value):
-        return value
-    if isinstance(value, dict):
-        return ("dict", tuple((k, v) for k, v in value.items() if plain_value(k) and plain_value(v)))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(v for v in value if plain_value(v)))
-    return None
-
-
-Slot = tuple[dict, str]  # (a module's _parameters, _buffers or __dict__, name): where a lifted tensor lives
-
-
-def _slot(tensor: torch.Tensor, source: Any) -> Slot | None:
-    """Where a lifted tensor the capture read from an object (a module reached through a closure or a
-    global, a global tensor) lives, to be read again at each call: a replaced one is seen."""
-    if source is None:
-        return None
-    owner, step = source
-    if isinstance(step, tuple):  # ("item", key) of a dict: a global
-        return (owner, step[1]) if isinstance(owner, dict) and owner.get(step[1]) is tensor else None
-    tables = (owner._parameters, owner._buffers) if isinstance(owner, torch.nn.Module) else ()
-    for table in (*tables, getattr(owner, "__dict__", {})):
-        if table.get(step) is tensor:
-            return table, step
-    return None
-
-
-@dataclass
-class CompiledEntry:
-    """One compiled signature: its program, and where to read the tensors it lifted at each call."""
-
-    program: Program | TrainingProgram
-    tensor_positions: tuple[int, ...]
-    slots: tuple[Slot | None, ...]  # per lifted tensor: its module slot, or None (read by identity)
-    lifted_meta: tuple[TensorMeta, ...]
-    compile_seconds: float
-    guards: tuple = ()  # the capture's reads, by identity: checked before each run
-    why: tuple[str, ...] = ()  # guards of earlier programs of the same signature that failed
-    why_dynamic: str = ""  # why its capture made sizes symbolic (Note [Symbolic shapes])
-    why_shapes: tuple = ()  # (program, its shape guards that failed) per symbolic program of the same sizes
-    floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
-    float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
-    float_paths: tuple[Path, ...] = ()  # the paths read as inputs (a tuple's: its elements are cells)
-
-    def __post_init__(self) -> None:
-        self.check = GuardChecker(self.guards)  # the same guards, as code for the hot path
-
-    def current_lifted(self) -> list[torch.Tensor] | None:
-        """The lifted tensors as of now, or None if one no longer matches what was traced."""
-        current = []
-        for slot, traced, meta in zip(self.slots, self.forward.lifted, self.lifted_meta):
-            t = traced if slot is None else slot[0].get(slot[1])
-            if t is None or t.requires_grad != meta.requires_grad or (
-                t is not traced and (tuple(t.shape) != meta.shape or t.dtype != meta.dtype)
-            ):
-                return None
-            current.append(t)
-        return current
-
-    @property
-    def forward(self) -> Program:
-        p = self.program
-        return p.forward if isinstance(p, TrainingProgram) else p
-
-    @property
-    def backward(self) -> Program | None:
-        p = self.program
-        return p.backward if isinstance(p, TrainingProgram) else None
 
 
 _READS_GRAD = "it reads tensors that require grad (a closure's, a region's parameters)"
@@ -185,13 +94,6 @@ def _raised_in_autograd_function(e: BaseException) -> bool:  # (no setup_context
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_filename == torch.autograd.function.__file__
-
-
-@dataclass
-class CompileStats:
-    compiles: int = 0
-    calls: int = 0
-    compile_seconds: list[float] = field(default_factory=list)
 
 
 class CompiledCallable:
@@ -263,11 +165,11 @@ class CompiledCallable:
             readers: list[Callable[[], Any]] = []
             if code is not None and self._module is None:
                 for cell in getattr(fn, "__closure__", None) or ():
-                    readers.append(lambda cell=cell: _shallow(cell.cell_contents))
+                    readers.append(lambda cell=cell: shallow(cell.cell_contents))
                 scope = getattr(fn, "__globals__", {})
                 for name in code.co_names:
-                    if name in scope and _shallow(scope[name]) is not None:
-                        readers.append(lambda name=name: _shallow(scope.get(name)))
+                    if name in scope and shallow(scope[name]) is not None:
+                        readers.append(lambda name=name: shallow(scope.get(name)))
             self._state_readers = readers
         return tuple([read() for read in self._state_readers])
 
@@ -275,16 +177,16 @@ class CompiledCallable:
         self._check_children()
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, f(x, y): no pytree flattening and no TreeSpec hashing on the hot path
-            return (ambient(), ("tensors", len(args)), *map(_tensor_key, args), self._python_state(),
-                    _same_tensors(args)), list(args)
+            return (ambient(), ("tensors", len(args)), *map(tensor_key, args), self._python_state(),
+                    same_tensors(args)), list(args)
         leaves, spec = tree_flatten((args, kwargs))
         if any(type(leaf).__name__.endswith("Cache") for leaf in leaves):  # transformers' caches: containers
             register_tensor_holders()
             leaves, spec = tree_flatten((args, kwargs))
         # non-tensor values are keyed as regions key them: by type and value (1, 1.0 and True differ)
-        parts = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf_key(leaf, labels=False)
+        parts = [tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf_key(leaf, labels=False)
                  for leaf in leaves]
-        return (ambient(), spec, *parts, self._python_state(), _same_tensors(leaves)), leaves
+        return (ambient(), spec, *parts, self._python_state(), same_tensors(leaves)), leaves
 
     def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
         found = self._usable(self.cache.get(key, ()))
@@ -367,7 +269,7 @@ class CompiledCallable:
         return CompiledEntry(
             program,
             positions,
-            tuple(self._slots.get(id(t)) or now.get(id(t)) or _slot(t, src)
+            tuple(self._slots.get(id(t)) or now.get(id(t)) or slot_of(t, src)
                   for t, src in zip(forward.lifted, forward.lifted_from or (None,) * len(forward.lifted))),
             tuple(TensorMeta.of(t) for t in forward.lifted),
             seconds,

@@ -31,8 +31,9 @@ from torch.utils._pytree import tree_unflatten
 from .. import ops
 from ..backends.inductor_segments import segments_of
 from ..capture.arguments import leaf_names
-from ..drivers.callable import CompiledCallable, CompiledEntry
+from ..drivers.callable import CompiledCallable
 from ..drivers.capture import capture
+from ..drivers.entry import CompiledEntry
 from ..effects import effect_of, implicit_effects
 from ..graph.walk import region_call, subgraphs
 from ..guards.words import body_differences, key_differences, part_differences
