@@ -84,22 +84,10 @@ class Run:
 def train(model: nn.Module, call: Callable[..., Any], steps: int = STEPS, evaluate: bool = False) -> Run:
     g = torch.Generator().manual_seed(1)
     batches = [hf.batch("gpt2", g) for _ in range(steps)]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
-    with recording() as log:
-        for inputs in batches:
-            loss = call(**inputs).loss
-            loss.backward()
-            grads.append({n.replace("._orig_mod", ""): p.grad.clone()  # (a torch.compile'd block's)
-                          for n, p in model.named_parameters() if p.grad is not None})
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        eval_loss = 0.0
-        if evaluate:
-            with torch.no_grad():
-                eval_loss = call(**batches[0]).loss.item()
-    return Run(losses, grads, list(log), eval_loss)
+    run = hf.train(model, call, batches)
+    with recording() as log, torch.no_grad():
+        eval_loss = call(**batches[0]).loss.item() if evaluate else 0.0
+    return Run(run.losses, run.grads, run.log + list(log), eval_loss)
 
 
 def assert_same(eager: Run, got: Run, rel: float = 1e-5, atol: float = 1e-6) -> None:

@@ -17,21 +17,6 @@ log_tensor = torch.ops.efxtest.log_tensor
 STEPS = 2
 
 
-def _train(model: nn.Module, call: nn.Module, batches: list[dict[str, torch.Tensor]]
-           ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], list[tuple]]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
-    with recording() as log:
-        for inputs in batches:
-            loss = call(**inputs).loss
-            loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-    return losses, grads, list(log)
-
-
 def test_gpt2_with_compiled_blocks_in_a_compiled_model_trains_as_eager() -> None:
     eager_model = hf.build("gpt2", seed=0)
     model = copy.deepcopy(eager_model)
@@ -41,12 +26,12 @@ def test_gpt2_with_compiled_blocks_in_a_compiled_model_trains_as_eager() -> None
     compiled = efx.compile(model)  # ... and the user the model
     g = torch.Generator().manual_seed(1)
     batches = [hf.batch("gpt2", g) for _ in range(STEPS)]
-    want = _train(eager_model, eager_model, batches)
-    got = _train(model, compiled, batches)
+    want = hf.train(eager_model, eager_model, batches)
+    got = hf.train(model, compiled, batches)
 
-    assert [float(v) for v in got[0]] == pytest.approx([float(v) for v in want[0]], rel=1e-5)
-    assert got[2] == want[2] == [("record_memory", f"layer{i}") for i in range(hf.LAYERS)] * STEPS
-    for step, (ge, gc) in enumerate(zip(want[1], got[1])):
+    assert got.losses == pytest.approx(want.losses, rel=1e-5)
+    assert got.log == want.log == [("record_memory", f"layer{i}") for i in range(hf.LAYERS)] * STEPS
+    for step, (ge, gc) in enumerate(zip(want.grads, got.grads)):
         assert ge.keys() == gc.keys(), step
         for name in ge:
             torch.testing.assert_close(gc[name], ge[name], rtol=1e-5, atol=1e-6, msg=f"{step} {name}")

@@ -20,34 +20,12 @@ REGION = "LoggedLayer.forward"
 
 
 @dataclass
-class Run:
-    losses: list[float]
-    grads: list[dict[str, torch.Tensor]]  # per step, before the optimizer step
-    log: list[tuple]
-
-
-@dataclass
 class Pair:
     eager_model: nn.Module
     model: nn.Module
     compiled: efx.CompiledCallable
-    eager: Run
-    effectfx: Run
-
-
-def train(model: nn.Module, call: nn.Module | efx.CompiledCallable, batches: list[dict[str, torch.Tensor]]
-          ) -> Run:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
-    with recording() as log:
-        for inputs in batches:
-            loss = call(**inputs).loss
-            loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    return Run(losses, grads, list(log))
+    eager: hf.TrainRun
+    effectfx: hf.TrainRun
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -57,8 +35,8 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     g = torch.Generator().manual_seed(1)
     batches = [hf.batch(request.param, g) for _ in range(STEPS)]
     compiled = efx.compile(model)
-    return Pair(eager_model, model, compiled, train(eager_model, eager_model, batches),
-                train(model, compiled, batches))
+    return Pair(eager_model, model, compiled, hf.train(eager_model, eager_model, batches),
+                hf.train(model, compiled, batches))
 
 
 def test_training_matches_eager(pair: Pair) -> None:

@@ -12,6 +12,7 @@ key "memory" and then calls the original layer with whatever arguments the model
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 import effectfx as efx
 
 from . import effect_ops  # noqa: F401  (registers the efxtest ops)
+from .effect_ops import recording
 
 VOCAB = 100
 HIDDEN = 64
@@ -149,3 +151,28 @@ def build(kind: str, seed: int = 0, logged: bool = True) -> nn.Module:
 
 __all__ = ["BUILDERS", "LAYER_LISTS", "LoggedLayer", "batch", "bert", "bert_config", "build", "gpt2",
            "gpt2_config", "layers_of", "llama", "llama_config", "log_layers", "vit", "vit_config"]
+
+
+@dataclass
+class TrainRun:
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]  # per step, before the optimizer step, by parameter name
+    log: list[tuple]  # the effect log of all steps
+
+
+def train(model: nn.Module, call: Callable[..., Any], batches: list[dict[str, torch.Tensor]],
+          lr: float = 0.1) -> TrainRun:
+    """SGD steps of ``call(**batch).loss`` on ``model``'s parameters: the losses, each step's gradients (a
+    ``torch.compile``'d submodule's ``._orig_mod`` left out of their names) and the effect log."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    with recording() as log:
+        for inputs in batches:
+            loss = call(**inputs).loss
+            loss.backward()
+            grads.append({n.replace("._orig_mod", ""): p.grad.clone()
+                          for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return TrainRun(losses, grads, list(log))
