@@ -184,15 +184,20 @@ def test_a_temperature_and_loss_scale_from_module_attributes() -> None:
     x = torch.randn(5, 4)
     for it in range(20):
         model.temperature, model.loss_scale = 1.0 + it / 10, 2.0 ** (it % 4)
-        out = compiled(x)
-        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
-        out.backward()
-        g = model.lin.weight.grad.clone()
-        model.zero_grad()
-        model(x).backward()
-        torch.testing.assert_close(g, model.lin.weight.grad, rtol=1e-5, atol=1e-5)
-        model.zero_grad()
+        _assert_call_as_eager(model, compiled, x)
     assert compiled.stats.compiles == 2
+
+
+def _assert_call_as_eager(model: nn.Module, compiled: object, x: torch.Tensor) -> None:
+    """One call: the compiled module's output and ``model.lin``'s gradient are eager's."""
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    out.backward()
+    g = model.lin.weight.grad.clone()
+    model.zero_grad()
+    model(x).backward()
+    torch.testing.assert_close(g, model.lin.weight.grad, rtol=1e-5, atol=1e-5)
+    model.zero_grad()
 
 
 class Repeated(nn.Module):
@@ -295,14 +300,7 @@ def test_a_tuple_of_floats_is_a_tuple_of_inputs() -> None:
     x = torch.randn(5, 4)
     for it in range(8):
         model.affine = (1.0 + it / 4, -it / 8)
-        out = compiled(x)
-        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
-        out.backward()
-        g = model.lin.weight.grad.clone()
-        model.zero_grad()
-        model(x).backward()
-        torch.testing.assert_close(g, model.lin.weight.grad, rtol=1e-5, atol=1e-5)
-        model.zero_grad()
+        _assert_call_as_eager(model, compiled, x)
     assert compiled.stats.compiles == 2
     entry = compiled.cache[next(iter(compiled.cache))][-1]
     assert [p[-1] for _, p in entry.floats] == [("index", 0), ("index", 1)]
