@@ -108,8 +108,9 @@ def _fewest_segments(earliest: dict[fx.Node, int], python: list[fx.Node]) -> dic
 class _Lowering:
     """Lowers one Program's graphs; each body object once (shared bodies stay shared)."""
 
-    def __init__(self, prog: Program) -> None:
+    def __init__(self, prog: Program, defer: bool = True) -> None:
         self.prog = prog
+        self.defer = defer
         self.bodies: dict[int, fx.GraphModule] = {}
 
     def body(self, gm: fx.GraphModule, identifier: str) -> fx.GraphModule:
@@ -246,7 +247,8 @@ class _Lowering:
                 raise BackendError(f"{i.format_node()} in {where} passes a {type(val).__name__} into an "
                                    "Inductor segment; use the default backend for this program.")
             metas.append(val)
-        setattr(holder, attr, compiled_segment(source, metas, where, self.deferred if self.root else None))
+        deferred = self.deferred if self.root and self.defer else None
+        setattr(holder, attr, compiled_segment(source, metas, where, deferred))
         call = new.call_module(attr, tuple(env[i] for i in inputs))
         for k, out in enumerate(outputs):
             env[out] = new.call_function(operator.getitem, (call, k))
@@ -259,9 +261,11 @@ def _free_symbols(node: fx.Node) -> set:
     return set(getattr(expr, "free_symbols", ()))
 
 
-def lower_to_inductor(prog: Program) -> Program:
-    """Token-free -> token-free with compiled segments in every graph (module docstring)."""
+def lower_to_inductor(prog: Program, defer: bool = True) -> Program:
+    """Token-free -> token-free with compiled segments in every graph (module docstring); ``defer=False``
+    compiles the root's segments on their first run too (tier 2, which compiles them before it runs)."""
     if prog.form is not Form.TOKEN_FREE:
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")
-    return prog.replace(graph_module=_Lowering(prog).graph(prog.graph_module, repr(prog.name), root=True))
+    lowered = _Lowering(prog, defer).graph(prog.graph_module, repr(prog.name), root=True)
+    return prog.replace(graph_module=lowered)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..backends.tiers import Tiers, run_tiered, tiers_for
 from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, PythonStateError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
@@ -132,6 +133,7 @@ class CompiledEntry:
     floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
     float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
     float_paths: tuple[Path, ...] = ()  # the paths read as inputs (a tuple's: its elements are cells)
+    tiers: Any = None  # backend="inductor": which tier runs, and tier 2's build (backends.tiers.TierState)
 
     def __post_init__(self) -> None:
         self.check = GuardChecker(self.guards)  # the same guards, as code for the hot path
@@ -195,7 +197,7 @@ class CompiledCallable:
     """What :func:`compile` returns; call it like the original function or module."""
 
     def __init__(self, fn: Callable[..., Any], backend: str = "eager", profile_regions: bool = False,
-                 dynamic: bool | None = None) -> None:
+                 dynamic: bool | None = None, tiers: str | Tiers | None = None) -> None:
         if backend not in BACKEND_PASSES:
             raise BackendError(f"unknown backend {backend!r}; choose one of {sorted(BACKEND_PASSES)}.")
         if dynamic not in (None, True, False):
@@ -204,6 +206,7 @@ class CompiledCallable:
         self.backend = backend
         self.profile_regions = profile_regions
         self.dynamic = dynamic
+        self.tiers = tiers_for(backend, tiers)
         self.cache: dict[Any, list[CompiledEntry]] = {}
         self.shapes = ShapeCache(dynamic)  # the same programs by signature without sizes
         self.stats = CompileStats()
@@ -350,7 +353,7 @@ class CompiledCallable:
             traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions,
                                    dynamic=dynamic)
         self._refuse_changing_state(traced.forward if isinstance(traced, TrainingProgram) else traced)
-        program = run_passes(traced, BACKEND_PASSES[self.backend])
+        program, tiers = run_tiered(traced, BACKEND_PASSES[self.backend], self.tiers)
         if not isinstance(program, TrainingProgram):
             program = run_passes(program, INFERENCE_PASSES[self.backend])
         forward = program.forward if isinstance(program, TrainingProgram) else program
@@ -372,6 +375,7 @@ class CompiledCallable:
                          if id(t) in cells),
             float_names=inputs.names,
             float_paths=tuple(inputs.read),
+            tiers=tiers,
         )
 
     def _refuse_changing_state(self, forward: Program) -> None:
@@ -422,8 +426,8 @@ class CompiledCallable:
             self._check_torch_func(args, kwargs)
         entry, leaves, lifted = self.entry_for(args, kwargs, vmap)
         self.stats.calls += 1
-        program = entry.program
-        forward = entry.forward
+        program = entry.program if entry.tiers is None else entry.tiers.program(entry)  # (a call boundary)
+        forward = program.forward if isinstance(program, TrainingProgram) else program
         inputs = [leaves[i] for i in entry.tensor_positions]
         inputs.extend(lifted)
         for i, path in entry.floats:  # each float input's value now (Note [Float inputs])

@@ -10,21 +10,28 @@ from typing import Any
 
 import torch
 
+from ..backends.tiers import Tiers
 from ..guards.reads import same_class
 from .callable import CompiledCallable
 
 
 def compile(fn: Callable[..., Any], *, backend: str = "eager",  # noqa: A001
-            profile_regions: bool = False, dynamic: bool | None = None) -> Any:
+            profile_regions: bool = False, dynamic: bool | None = None, tiers: str | Tiers | None = None
+            ) -> Any:
     """Compile ``fn``: autograd, caching per signature, effects in order.  A function gives a
     :class:`CompiledCallable`; an ``nn.Module`` gives its compiled module (:func:`compiled_module`), which
     is the model for every purpose but the call.  ``profile_regions=True`` opens a profiler range
     ``region:<name>`` around every region call.  ``dynamic`` (Note [Symbolic shapes]): None captures
     static first and makes the sizes that change between calls symbolic; True makes every size symbolic
-    from the first call; False captures each new size anew."""
+    from the first call; False captures each new size anew.  ``tiers`` (backend="inductor";
+    ``effectfx.backends.tiers``): "background" (the default) compiles a whole-program tier 2 in a thread
+    once a program served 10 calls and switches to it at a call boundary; "at-once" compiles it in the
+    calling thread, at the first call; "tier1" never; ``efx.Tiers(mode, after=n)`` after ``n`` calls."""
     if isinstance(fn, torch.nn.Module):
-        return compiled_module(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
-    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
+        return compiled_module(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic,
+                               tiers=tiers)
+    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic,
+                            tiers=tiers)
 
 
 # -- the compiled module ----------------------------------------------------------------------------------
@@ -34,12 +41,13 @@ _CALLABLE_API = frozenset({"programs", "stats", "cache", "backend", "profile_reg
 
 
 def _rebuild(model: torch.nn.Module, backend: str, profile_regions: bool,
-             dynamic: bool | None = None) -> torch.nn.Module:
-    return compiled_module(model, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
+             dynamic: bool | None = None, tiers: str | Tiers | None = None) -> torch.nn.Module:
+    return compiled_module(model, backend=backend, profile_regions=profile_regions, dynamic=dynamic,
+                           tiers=tiers)
 
 
-def compiled_module(model: torch.nn.Module, backend: str = "eager",
-                    profile_regions: bool = False, dynamic: bool | None = None) -> torch.nn.Module:
+def compiled_module(model: torch.nn.Module, backend: str = "eager", profile_regions: bool = False,
+                    dynamic: bool | None = None, tiers: str | Tiers | None = None) -> torch.nn.Module:
     """``efx.compile(model)``: an ``nn.Module`` that is the model for every purpose but the call.
 
     It is an instance of a subclass of the model's own class made for it, whose instance state *is* the
@@ -55,7 +63,7 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
     again when loaded."""
     base = type(model)
     compiled = CompiledCallable(model.forward, backend=backend, profile_regions=profile_regions,
-                                dynamic=dynamic)
+                                dynamic=dynamic, tiers=tiers)
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return compiled(*args, **kwargs)
@@ -73,13 +81,13 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
             raise
 
     def reduce(self: Any, protocol: Any = None) -> tuple:
-        return (_rebuild, (model, backend, profile_regions, dynamic))
+        return (_rebuild, (model, backend, profile_regions, dynamic, tiers))
 
     namespace = {
         "forward": forward, "__getattr__": getattr_, "__reduce__": reduce, "__reduce_ex__": reduce,
         "__repr__": lambda self: f"{base.__repr__(self)}  # {compiled!r}",
         "__deepcopy__": lambda self, memo: compiled_module(copy.deepcopy(model, memo), backend,
-                                                           profile_regions, dynamic),
+                                                           profile_regions, dynamic, tiers),
         "original": property(lambda self: model, doc="the model this compiled module runs"),
         "_orig_mod": property(lambda self: model), "compiled": property(lambda self: compiled),
         "__module__": base.__module__, "__qualname__": base.__qualname__,
