@@ -14,7 +14,8 @@ How (see Note [Effect tokens] for why order needs care):
      last before its first reader; :func:`_fewest_segments` picks the fewest segments.  Pure work moves
      (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
      is therefore one segment.  A segment of views only (a transpose, a detach), or of at most
-     ``TINY_ROOT_SEGMENT`` ops in the root graph, is not compiled: its nodes run as they are.
+     ``TINY_ROOT_SEGMENT`` ops in the root graph, is not compiled: its nodes run as they are (tier 2
+     compiles those too: ``effectfx.backends.tiers``).
   2. Each segment is compiled by Inductor once per process (and loaded from disk in later processes):
      a body's on its first run, a root segment's on its second (deferred: the first call of a program
      costs one compile per distinct body forward and backward, and the root's work un-compiled);
@@ -216,7 +217,7 @@ class _Lowering:
         if not outputs:
             return False  # nothing outside reads it: pure dead code
         work = [n for n in members if n.target is not operator.getitem and not n.target.is_view]
-        if not work or (self.root and len(work) <= TINY_ROOT_SEGMENT):
+        if not work or (self.root and self.defer and len(work) <= TINY_ROOT_SEGMENT):
             # views only (a transpose, a detach), or a few ops of the root (an embedding's backward and a
             # sum between two region calls): a compile costs seconds and would save nothing; run them
             for node in members:
@@ -263,7 +264,8 @@ def _free_symbols(node: fx.Node) -> set:
 
 def lower_to_inductor(prog: Program, defer: bool = True) -> Program:
     """Token-free -> token-free with compiled segments in every graph (module docstring); ``defer=False``
-    compiles the root's segments on their first run too (tier 2, which compiles them before it runs)."""
+    (tier 2, compiled before it runs: ``effectfx.backends.tiers``) compiles every root segment, the tiny
+    ones too, on its first use."""
     if prog.form is not Form.TOKEN_FREE:
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")

@@ -121,8 +121,10 @@ def lower_tier_2(prog: Program) -> Program:
 
 
 def build_tier2(token_free: Any, tier1: Any) -> Any:
-    """Tier 2 of a token-free program: regions inlined, lowered; its segments not compiled yet."""
-    prog = run_passes(token_free, [inline_regions, lower_tier_2])
+    """Tier 2 of a token-free program: regions inlined, lowered; its segments not compiled yet (nor counted
+    in the compile log's progress: :meth:`TierState._build` counts them when it compiles them)."""
+    with progress.uncounted():
+        prog = run_passes(token_free, [inline_regions, lower_tier_2])
     if isinstance(prog, TrainingProgram):
         fields = {f.name: getattr(prog, f.name) for f in dataclasses.fields(TrainingProgram) if f.init}
         prog = Tier2Training(**fields, tier1=tier1)
@@ -179,7 +181,8 @@ class TierState:
                         self._thread = threading.Thread(target=self._build, daemon=True,
                                                         name=f"effectfx tier 2 of {self.tier1_name!r}")
                         self._thread.start()
-            if self._ready is not None:
+            # a background build, however fast, serves from the call after the one that started it
+            if self._ready is not None and (self._thread is None or self.started_call != self.calls):
                 entry.program, self.tier, self.switched_call = self._ready, 2, self.calls
                 progress.LOGGER.info("%r runs tier 2 from call %d", self.tier1_name, self.calls)
         return entry.program
@@ -215,6 +218,8 @@ class TierState:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             prog = self._tier2 = self._tier2 or build_tier2(self.token_free, self.tier1)
+            for segment in segments(prog):
+                progress.lowered(segment)
             for segment in segments(prog):
                 if _STOP.is_set():
                     self.error = "stopped at exit"
