@@ -269,3 +269,25 @@ def test_gpt2_training_across_the_switch() -> None:
     (prog,) = compiled.programs()
     assert not list(prog.forward.subgraphs()) and not list(prog.backward.subgraphs())
     assert len(segments(prog)) == 2  # the layers' effects only read labels: one segment per half
+
+
+@pytest.mark.slow
+def test_gpt2_symbolic_program_gets_a_tier_2() -> None:
+    """dynamic=True: one symbolic program serves three lengths; its tier 2 too (sizes read from inputs)."""
+    eager_model = _gpt2()
+    model = copy.deepcopy(eager_model)
+    compiled = efx.compile(model, backend="inductor", dynamic=True, tiers="at-once")
+    for length in (8, 12, 5):
+        ids = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(length))
+        with recording() as log:
+            loss = compiled(ids, labels=ids).loss
+            loss.backward()
+        want = eager_model(ids, labels=ids).loss
+        want.backward()
+        assert log == [("record_memory", "layer0"), ("record_memory", "layer1")]
+        torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+        for p, w in zip(model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p.grad, w.grad, rtol=1e-3, atol=1e-4)
+            p.grad = w.grad = None
+    state = tiers_of(compiled)
+    assert state.tier == 2 and state.switched_call == 1
