@@ -161,6 +161,7 @@ def test_at_once_switches_at_a_call_boundary_and_a_warm_process_starts_in_tier_2
     for half in (prog.forward, prog.backward):  # the whole half: one segment, no region left
         assert not any(n.target is ops.invoke_subgraph for n in half.graph_module.graph.nodes)
     assert len(segments(prog)) == 2 and all(s.compiled is not None for s in segments(prog))
+    assert all(dict(cache.options_of(s.source)) == {"cpp_wrapper": True} for s in segments(prog))
     assert "runs tier 2 (regions inlined) since call 3" in str(efx.explain(compiled))
 
     # a forward run under tier 1, its backward after the switch: tier 1's backward, eager's gradient
@@ -221,6 +222,7 @@ def test_modes() -> None:
     assert efx.compile(nested).tiers is None  # the default backend has one tier
     assert efx.compile(nested, backend="inductor").tiers == efx.Tiers("background")
     assert efx.Tiers("background").threshold == 10 and efx.Tiers("at-once").threshold == 0
+    assert efx.Tiers().cpp_wrapper  # tier 2 runs Inductor's C++ wrapper
     with pytest.raises(BackendError, match="tiers mode"):
         efx.compile(nested, backend="inductor", tiers="sometimes")
     with pytest.raises(BackendError, match="number of calls"):

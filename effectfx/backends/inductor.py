@@ -109,9 +109,10 @@ def _fewest_segments(earliest: dict[fx.Node, int], python: list[fx.Node]) -> dic
 class _Lowering:
     """Lowers one Program's graphs; each body object once (shared bodies stay shared)."""
 
-    def __init__(self, prog: Program, defer: bool = True) -> None:
+    def __init__(self, prog: Program, defer: bool = True, options: dict[str, Any] | None = None) -> None:
         self.prog = prog
         self.defer = defer
+        self.options = tuple(sorted((options or {}).items()))
         self.bodies: dict[int, fx.GraphModule] = {}
 
     def body(self, gm: fx.GraphModule, identifier: str) -> fx.GraphModule:
@@ -241,6 +242,8 @@ class _Lowering:
             local[node].meta = dict(node.meta)
         graph.output(tuple(local[o] for o in outputs))
         source = fx.GraphModule(torch.nn.Module(), graph, "Segment")
+        if self.options:  # (part of its cache key: inductor_cache.options_of)
+            source.meta["inductor_options"] = self.options
         metas = []
         for i in inputs:
             val = i.meta.get("val")
@@ -262,12 +265,12 @@ def _free_symbols(node: fx.Node) -> set:
     return set(getattr(expr, "free_symbols", ()))
 
 
-def lower_to_inductor(prog: Program, defer: bool = True) -> Program:
+def lower_to_inductor(prog: Program, defer: bool = True, options: dict[str, Any] | None = None) -> Program:
     """Token-free -> token-free with compiled segments in every graph (module docstring); ``defer=False``
     (tier 2, compiled before it runs: ``effectfx.backends.tiers``) compiles every root segment, the tiny
-    ones too, on its first use."""
+    ones too, on its first use; ``options``: Inductor's, for every segment (tier 2's C++ wrapper)."""
     if prog.form is not Form.TOKEN_FREE:
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")
-    lowered = _Lowering(prog, defer).graph(prog.graph_module, repr(prog.name), root=True)
+    lowered = _Lowering(prog, defer, options).graph(prog.graph_module, repr(prog.name), root=True)
     return prog.replace(graph_module=lowered)
