@@ -41,7 +41,7 @@ from .. import ops
 from ..effects import effect_of
 from ..errors import BackendError
 from ..graph.build import Graph, graph_module
-from ..graph.symbols import SYM_TYPES, Sizes, expr_of
+from ..graph.symbols import SYM_TYPES, Sizes, expr_of, has_symbols
 from ..passes.direct_calls import DirectOpCodeGen
 from ..program.program import Program
 from ..program.records import Form
@@ -242,8 +242,6 @@ class _Lowering:
             local[node].meta = dict(node.meta)
         graph.output(tuple(local[o] for o in outputs))
         source = fx.GraphModule(torch.nn.Module(), graph, "Segment")
-        if self.options:  # (part of its cache key: inductor_cache.options_of)
-            source.meta["inductor_options"] = self.options
         metas = []
         for i in inputs:
             val = i.meta.get("val")
@@ -251,6 +249,10 @@ class _Lowering:
                 raise BackendError(f"{i.format_node()} in {where} passes a {type(val).__name__} into an "
                                    "Inductor segment; use the default backend for this program.")
             metas.append(val)
+        # (part of its cache key: inductor_cache.options_of); not for symbolic sizes, whose C++ wrapper's
+        # guards name symbols of Inductor's own, which no variant's guards could be checked on
+        if self.options and not any(has_symbols(m.shape) for m in metas):
+            source.meta["inductor_options"] = self.options
         deferred = self.deferred if self.root and self.defer else None
         setattr(holder, attr, compiled_segment(source, metas, where, deferred))
         call = new.call_module(attr, tuple(env[i] for i in inputs))

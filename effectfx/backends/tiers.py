@@ -25,7 +25,8 @@ Steady training step against torch.compile (inductor) of the same model without 
 of the effectful one fails in this torch), interleaved in one process, GPT-2 hidden 64, ids (4, 32), one
 intra-op thread: 12 layers -- tier 1 1.07x, tier 2 0.99x with Python's wrapper, 0.92x with C++'s (tier 2's
 cold compile 111 s with it); 4 layers -- 1.09x, 0.95x, 0.88x.  ``efx.Tiers(cpp_wrapper=False)`` keeps
-Python's wrapper.
+Python's wrapper, as a segment with symbolic sizes does (its C++ wrapper's guards name Inductor's own
+symbols: ``inductor._Lowering.segment``).
 
 Effects in tier 2 stay Python nodes, in program order, between Inductor segments -- not fallback calls
 inside Inductor's graph ordered by tokens.  The lowering already moves pure work across effects that only
@@ -197,12 +198,15 @@ class TierState:
         self._ready: Any = None  # compiled: the next call switches to it
         self._thread: threading.Thread | None = None
         self._started_at: float | None = None
+        self._lock = threading.Lock()  # threads calling one program: one starts the build, one switches
 
     def program(self, entry: Any) -> Any:
         """The program this call runs (on the calling thread, at the start of the call): tier 2 once it is
         ready, from this call on; it starts tier 2's build when due."""
-        self.calls += 1
-        if self.tier == 1:
+        if self.tier == 2:
+            return entry.program
+        with self._lock:
+            self.calls += 1
             if self._ready is None and self.started_call is None:
                 if self.calls == 1 and self.spec.mode == "background" and self._warm():
                     self._start()
@@ -219,7 +223,7 @@ class TierState:
             if self._ready is not None and (self._thread is None or self.started_call != self.calls):
                 entry.program, self.tier, self.switched_call = self._ready, 2, self.calls
                 progress.LOGGER.info("%r runs tier 2 from call %d", self.tier1_name, self.calls)
-        return entry.program
+            return entry.program
 
     @property
     def tier1_name(self) -> str:
@@ -227,7 +231,7 @@ class TierState:
         return half.name.removesuffix(" (forward)")
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for a background build; whether tier 2 is ready (or running)."""
+        """Wait for a background build (at most ``timeout`` seconds); whether tier 2 is ready."""
         if self._thread is not None:
             self._thread.join(timeout)
         return self._ready is not None
