@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import ops
+from .backends.tiers import Tiers
 from .capture.shapes import mark_dynamic, mark_static
 from .drivers.callable import CompiledCallable
 from .drivers.capture import capture
@@ -82,7 +83,7 @@ __all__ = [
     "DataDependentControlFlowError", "EagerFallbackWarning", "EffectfxError", "OpError",
     "FakeTensorLeakError", "FreeTensorError", "MissingFakeImplError", "PartialBackwardError", "Program",
     "PythonStateError", "RegionEffectsChangedError", "RegionRecursionError", "RegistryError",
-    "SerializationError", "SignatureMismatchError", "TensorSpec", "TrainingProgram",
+    "SerializationError", "SignatureMismatchError", "TensorSpec", "Tiers", "TrainingProgram",
     "UnsupportedMutationError", "UnsupportedReturnError", "VerificationError", "EffectfxWarning",
     "UnfaithfulPrintWarning", "UnsupportedOperatorError", "UnsupportedParallelWrapperError", "capture",
     "compile", "callback", "effect",

@@ -1,4 +1,5 @@
-"""efx.compile(fn, backend="inductor"): every region body (forward and backward) is compiled once, every
+"""efx.compile(fn, backend="inductor"), tier 1 (``tiers="tier1"``: a warm cache would start in tier 2,
+tests/test_tiers.py): every region body (forward and backward) is compiled once, every
 call site runs the compiled body, effects run in Python exactly where eager runs them.  Compared with eager:
 outputs and gradients at Inductor tolerances, effect logs exactly, over 3 SGD steps.
 
@@ -46,7 +47,8 @@ def seed(x):
 
 def check_inductor(fn, *args) -> None:
     eager = run_eager(fn, args)
-    results = run_program(lambda f, a, k: efx.compile(f, backend="inductor"), fn, args, {}, calls=2)
+    results = run_program(lambda f, a, k: efx.compile(f, backend="inductor", tiers="tier1"), fn, args, {},
+                          calls=2)
     for i, result in enumerate(results):
         compare(f"inductor call {i + 1}", eager, result, RTOL, ATOL)
 
@@ -61,7 +63,7 @@ def test_expanded_tangent() -> None:
     x = torch.randn(3, requires_grad=True)
     seed(x).sum().backward()
     want, x.grad = x.grad, None
-    efx.compile(seed, backend="inductor")(x).sum().backward()
+    efx.compile(seed, backend="inductor", tiers="tier1")(x).sum().backward()
     torch.testing.assert_close(x.grad, want, rtol=RTOL, atol=ATOL)
 
 
@@ -71,7 +73,7 @@ def test_a_detached_input_is_a_new_tensor() -> None:
         return x.detach(), x * 2
 
     x = torch.randn(3, requires_grad=True)
-    detached, doubled = efx.compile(f, backend="inductor")(x)
+    detached, doubled = efx.compile(f, backend="inductor", tiers="tier1")(x)
     assert detached is not x and not detached.requires_grad and torch.equal(detached, x)
     check_inductor(f, x)
 
@@ -86,7 +88,7 @@ def segments(gm: fx.GraphModule) -> list[segs.InductorSegment | segs.SymbolicSeg
 
 
 def test_region_body_is_compiled_once_and_effects_stay_in_python() -> None:
-    cfn = efx.compile(seed, backend="inductor")
+    cfn = efx.compile(seed, backend="inductor", tiers="tier1")
     cfn(torch.randn(3))
     (prog,) = cfn.programs()
     assert prog.history[-1].name == "lower_to_inductor"
@@ -185,7 +187,7 @@ def train_both(build: Callable[[], nn.Module], x: torch.Tensor) -> tuple[list[St
                                                                           efx.CompiledCallable]:
     eager_model = build()
     model = copy.deepcopy(eager_model)
-    compiled = efx.compile(model, backend="inductor")
+    compiled = efx.compile(model, backend="inductor", tiers="tier1")
     eager = train(eager_model, eager_model, x)
     got = train(model, compiled, x)
     assert_same_training(eager, got)
@@ -232,7 +234,7 @@ def test_body_reused_across_signatures() -> None:
     def f(x, k):
         return body(x) * k
 
-    compiled = efx.compile(f, backend="inductor")
+    compiled = efx.compile(f, backend="inductor", tiers="tier1")
     x = torch.randn(4)
     compiled(x, 2.0)
     stats = cache.STATS
@@ -260,7 +262,7 @@ def test_random_ops_run_as_eager_runs_them() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Drop(), Drop())
     x = torch.randn(4, 8, requires_grad=True)
-    compiled = efx.compile(model, backend="inductor")
+    compiled = efx.compile(model, backend="inductor", tiers="tier1")
     torch.manual_seed(1)
     eager = run_eager(model, (x,))
     torch.manual_seed(1)
@@ -274,7 +276,7 @@ def test_gpt2_three_training_steps() -> None:
 
     eager_model = hf.build("gpt2", seed=0)
     model = copy.deepcopy(eager_model)
-    compiled = efx.compile(model, backend="inductor")
+    compiled = efx.compile(model, backend="inductor", tiers="tier1")
     ids = torch.randint(0, hf.VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     eager = train(eager_model, lambda i: eager_model(i, labels=i).loss, ids)
     got = train(model, lambda i: compiled(i, labels=i).loss, ids)
@@ -299,7 +301,7 @@ def test_gpt2_over_four_lengths_compiles_each_body_once_more(tmp_path: Path,
 
     eager_model = hf.build("gpt2", seed=0)
     model = copy.deepcopy(eager_model)
-    compiled = efx.compile(model, backend="inductor")
+    compiled = efx.compile(model, backend="inductor", tiers="tier1")
     generator = torch.Generator().manual_seed(1)
     compiled_segments = []
     for length in (8, 9, 12, 15):
@@ -357,7 +359,7 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
     eager = run_eager(fn, (x,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        (got,) = run_program(lambda f, a, k: efx.compile(f, backend="inductor"), fn, (x,), {})
+        (got,) = run_program(lambda f, a, k: efx.compile(f, backend="inductor", tiers="tier1"), fn, (x,), {})
     compare("fallback", eager, got)  # un-compiled: exactly the default backend's ops
     assert any(issubclass(w.category, segs.InductorFallbackWarning) and "falls_back" in str(w.message)
                and "no kernel for you" in str(w.message) for w in caught)
@@ -366,7 +368,7 @@ def test_a_segment_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.M
 
 def test_a_new_process_loads_the_saved_segments() -> None:
     x = torch.randn(3)
-    efx.compile(seed, backend="inductor")(x)  # compiles, or loads what an earlier run saved
+    efx.compile(seed, backend="inductor", tiers="tier1")(x)  # compiles, or loads what an earlier run saved
     cache.clear_cache()  # what a new process starts with
     before = dataclasses.replace(cache.STATS)
     check_inductor(seed, x)
@@ -387,7 +389,7 @@ def test_the_roots_segments_compile_on_their_second_run(tmp_path: Path,
     cache.clear_cache()
     x = torch.randn(3, requires_grad=True)
     eager = run_eager(rooted, (x,))
-    cfn = efx.compile(rooted, backend="inductor")
+    cfn = efx.compile(rooted, backend="inductor", tiers="tier1")
     outcomes = []
     for i in range(3):
         (got,) = run_program(lambda f, a, k: cfn, rooted, (x,), {})
@@ -401,7 +403,7 @@ def test_the_roots_segments_compile_on_their_second_run(tmp_path: Path,
 
     # a process that finds them saved (the warm second process) runs them compiled from its first call
     cache.clear_cache()
-    again = efx.compile(rooted, backend="inductor")
+    again = efx.compile(rooted, backend="inductor", tiers="tier1")
     (got,) = run_program(lambda f, a, k: again, rooted, (x,), {})
     compare("inductor, saved segments", eager, got, RTOL, ATOL)
     prog = again.programs()[0]
@@ -424,7 +426,7 @@ def test_segments_compile_on_first_use_so_an_unused_full_backward_costs_nothing(
     # backpropagating the loss only takes the partial backward (Note [Partial backward]): the full
     # backward's segments, lowered with the program, never run and are never compiled
     x = torch.randn(3, requires_grad=True)
-    compiled = efx.compile(_loss_and_values, backend="inductor")
+    compiled = efx.compile(_loss_and_values, backend="inductor", tiers="tier1")
     loss, _ = compiled(x)
     loss.backward()
     eager_x = x.detach().clone().requires_grad_()

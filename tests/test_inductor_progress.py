@@ -85,7 +85,7 @@ def test_each_segment_is_logged_with_its_count_where_and_outcome(
         fresh_cache: None, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="effectfx.inductor")
     new_count()
-    compiled = efx.compile(model(), backend="inductor")
+    compiled = efx.compile(model(), backend="inductor", tiers="tier1")
     compiled(X)
     first = records(caplog)
     assert len(first) == 3
@@ -110,7 +110,8 @@ def test_each_segment_is_logged_with_its_count_where_and_outcome(
     compiled(X)  # runs what is compiled: nothing to say
     assert records(caplog) == []
 
-    again = efx.compile(model(), backend="inductor")  # an equal model: the same segments, a new count
+    # an equal model: the same segments, a new count
+    again = efx.compile(model(), backend="inductor", tiers="tier1")
     again(X)  # every segment at hand, the root's too: none deferred
     hits = records(caplog)
     assert [(r.efx_n, r.efx_m, r.efx_outcome) for r in hits] == [(n, 3, "cache hit") for n in (1, 2, 3)]
@@ -120,12 +121,13 @@ def test_each_segment_is_logged_with_its_count_where_and_outcome(
 def test_quiet_by_default_and_log_compiles_prints(capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     new_count()
-    efx.compile(model(), backend="inductor")(X)
+    efx.compile(model(), backend="inductor", tiers="tier1")(X)
     assert "effectfx inductor" not in capsys.readouterr().err
 
     progress.log_compiles(True)
     try:
-        efx.compile(model(), backend="inductor")(X)  # cache hits: fast, and logged all the same
+        # cache hits: fast, and logged all the same
+        efx.compile(model(), backend="inductor", tiers="tier1")(X)
         lines = [line for line in capsys.readouterr().err.splitlines() if "effectfx inductor" in line]
         assert [line.split(" of ")[0] for line in lines] == [
             f"effectfx inductor: segment {n}/3" for n in (1, 2, 3)]  # not a terminal: plain lines
@@ -136,14 +138,14 @@ def test_quiet_by_default_and_log_compiles_prints(capsys: pytest.CaptureFixture[
 
         terminal = Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
-        efx.compile(model(), backend="inductor")(X)
+        efx.compile(model(), backend="inductor", tiers="tier1")(X)
         text = terminal.getvalue()
         assert "\r" in text and text.endswith("\n") and text.count("\n") == 1  # one line, in place
         assert "effectfx inductor [" in text and "3/3 segments" in text and "region 'Block.forward'" in text
     finally:
         progress.log_compiles(False)
     monkeypatch.undo()
-    efx.compile(model(), backend="inductor")(X)
+    efx.compile(model(), backend="inductor", tiers="tier1")(X)
     assert "effectfx inductor" not in capsys.readouterr().err  # switched off again
 
 
@@ -159,7 +161,7 @@ def test_the_environment_switch() -> None:
 
 
 def test_explain_shows_compile_time_per_segment(fresh_cache: None) -> None:
-    compiled = efx.compile(model(), backend="inductor")
+    compiled = efx.compile(model(), backend="inductor", tiers="tier1")
     before = str(efx.explain(compiled, X))  # lowered, not run: nothing compiled yet
     assert "Inductor compile time per segment: 3 segments, 0 run, 0.00 s" in before
     assert before.count("not run yet") == 3
@@ -194,7 +196,7 @@ def test_a_fallback_is_logged_and_explained(fresh_cache: None, caplog: pytest.Lo
 
     monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
     caplog.set_level(logging.INFO, logger="effectfx.inductor")
-    compiled = efx.compile(model(), backend="inductor")
+    compiled = efx.compile(model(), backend="inductor", tiers="tier1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", segs.InductorFallbackWarning)
         torch.testing.assert_close(compiled(X), model()(X))

@@ -14,7 +14,8 @@ How (see Note [Effect tokens] for why order needs care):
      last before its first reader; :func:`_fewest_segments` picks the fewest segments.  Pure work moves
      (it is pure); Python nodes never do.  A body whose effects only read values (``record``, ``log``)
      is therefore one segment.  A segment of views only (a transpose, a detach), or of at most
-     ``TINY_ROOT_SEGMENT`` ops in the root graph, is not compiled: its nodes run as they are.
+     ``TINY_ROOT_SEGMENT`` ops in the root graph, is not compiled: its nodes run as they are (tier 2
+     compiles those too: ``effectfx.backends.tiers``).
   2. Each segment is compiled by Inductor once per process (and loaded from disk in later processes):
      a body's on its first run, a root segment's on its second (deferred: the first call of a program
      costs one compile per distinct body forward and backward, and the root's work un-compiled);
@@ -40,7 +41,7 @@ from .. import ops
 from ..effects import effect_of
 from ..errors import BackendError
 from ..graph.build import Graph, graph_module
-from ..graph.symbols import SYM_TYPES, Sizes, expr_of
+from ..graph.symbols import SYM_TYPES, Sizes, expr_of, has_symbols
 from ..passes.direct_calls import DirectOpCodeGen
 from ..program.program import Program
 from ..program.records import Form
@@ -108,8 +109,10 @@ def _fewest_segments(earliest: dict[fx.Node, int], python: list[fx.Node]) -> dic
 class _Lowering:
     """Lowers one Program's graphs; each body object once (shared bodies stay shared)."""
 
-    def __init__(self, prog: Program) -> None:
+    def __init__(self, prog: Program, defer: bool = True, options: dict[str, Any] | None = None) -> None:
         self.prog = prog
+        self.defer = defer
+        self.options = tuple(sorted((options or {}).items()))
         self.bodies: dict[int, fx.GraphModule] = {}
 
     def body(self, gm: fx.GraphModule, identifier: str) -> fx.GraphModule:
@@ -215,7 +218,7 @@ class _Lowering:
         if not outputs:
             return False  # nothing outside reads it: pure dead code
         work = [n for n in members if n.target is not operator.getitem and not n.target.is_view]
-        if not work or (self.root and len(work) <= TINY_ROOT_SEGMENT):
+        if not work or (self.root and self.defer and len(work) <= TINY_ROOT_SEGMENT):
             # views only (a transpose, a detach), or a few ops of the root (an embedding's backward and a
             # sum between two region calls): a compile costs seconds and would save nothing; run them
             for node in members:
@@ -246,7 +249,12 @@ class _Lowering:
                 raise BackendError(f"{i.format_node()} in {where} passes a {type(val).__name__} into an "
                                    "Inductor segment; use the default backend for this program.")
             metas.append(val)
-        setattr(holder, attr, compiled_segment(source, metas, where, self.deferred if self.root else None))
+        # (part of its cache key: inductor_cache.options_of); not for symbolic sizes, whose C++ wrapper's
+        # guards name symbols of Inductor's own, which no variant's guards could be checked on
+        if self.options and not any(has_symbols(m.shape) for m in metas):
+            source.meta["inductor_options"] = self.options
+        deferred = self.deferred if self.root and self.defer else None
+        setattr(holder, attr, compiled_segment(source, metas, where, deferred))
         call = new.call_module(attr, tuple(env[i] for i in inputs))
         for k, out in enumerate(outputs):
             env[out] = new.call_function(operator.getitem, (call, k))
@@ -259,9 +267,12 @@ def _free_symbols(node: fx.Node) -> set:
     return set(getattr(expr, "free_symbols", ()))
 
 
-def lower_to_inductor(prog: Program) -> Program:
-    """Token-free -> token-free with compiled segments in every graph (module docstring)."""
+def lower_to_inductor(prog: Program, defer: bool = True, options: dict[str, Any] | None = None) -> Program:
+    """Token-free -> token-free with compiled segments in every graph (module docstring); ``defer=False``
+    (tier 2, compiled before it runs: ``effectfx.backends.tiers``) compiles every root segment, the tiny
+    ones too, on its first use; ``options``: Inductor's, for every segment (tier 2's C++ wrapper)."""
     if prog.form is not Form.TOKEN_FREE:
         raise BackendError(f"lower_to_inductor needs the token-free form, got {prog.form}; run "
                            "thread_tokens and remove_effect_tokens first.")
-    return prog.replace(graph_module=_Lowering(prog).graph(prog.graph_module, repr(prog.name), root=True))
+    lowered = _Lowering(prog, defer, options).graph(prog.graph_module, repr(prog.name), root=True)
+    return prog.replace(graph_module=lowered)

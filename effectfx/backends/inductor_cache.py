@@ -235,7 +235,7 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int,
         examples, back = example_inputs(inputs, hints, fake_mode)
         with torch.no_grad(), _quiet_unsaveable():  # the inference path: segments run without grad
             artifact = standalone_compile(source, examples, dynamic_shapes="from_example_inputs",
-                                          fake_mode=fake_mode)
+                                          fake_mode=fake_mode, options=_config_patches(source))
     except Exception as e:  # noqa: BLE001 -- any Inductor failure: run the aten graph instead
         STATS.fallbacks += 1
         text = str(e).strip()
@@ -251,7 +251,20 @@ def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:
     """What a segment's compiled code depends on: its code, the objects that code names (FX writes some
     arguments as globals, not literals) and its inputs' metadata."""
     code = source.graph.python_code("self")
-    return code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
+    key = code.src, tuple(sorted((k, repr(v)) for k, v in code.globals.items())), inputs
+    options = options_of(source)
+    return (*key, options) if options else key
+
+
+def _config_patches(source: fx.GraphModule) -> dict[str, Any] | None:
+    options = options_of(source)
+    return {"config_patches": dict(options)} if options else None  # (compile_fx's keyword)
+
+
+def options_of(source: fx.GraphModule) -> tuple[tuple[str, Any], ...]:
+    """The Inductor options a segment is compiled with (``source.meta["inductor_options"]``, set by the
+    lowering: tier 2's C++ wrapper, ``effectfx.backends.tiers``), as sorted pairs."""
+    return tuple(sorted(source.meta.get("inductor_options", ())))
 
 
 def _saved(path: Path, hints: tuple[int, ...]) -> list[tuple[tuple[Any, ...], Path]]:

@@ -32,8 +32,24 @@ _PENDING: weakref.WeakSet[Any] = weakref.WeakSet()
 _count = {"done": 0, "seconds": 0.0}  # since the count last completed
 
 
+_THREAD = threading.local()
+
+
+class uncounted:  # noqa: N801 -- a context manager, used as a function
+    """Segments lowered in this thread inside it are not counted (tier 2, built to see whether its artifacts
+    are saved: ``effectfx.backends.tiers``, which counts them when it compiles them)."""
+
+    def __enter__(self) -> None:
+        _THREAD.uncounted = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _THREAD.uncounted = False
+
+
 def lowered(segment: Any) -> None:
     """Count a segment made (by the lowering, or a new variant of a symbolic one) that has not run yet."""
+    if getattr(_THREAD, "uncounted", False):
+        return
     with _LOCK:
         if not _PENDING:  # every segment lowered before ran, or was dropped unrun: a new count
             _count["done"], _count["seconds"] = 0, 0.0

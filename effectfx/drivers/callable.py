@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..backends.tiers import Tiers, run_tiered, tiers_for
 from ..capture.shapes import Dynamic, ShapeCache, erased
 from ..errors import BackendError, PythonStateError, UnsupportedOperatorError
 from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, wrapped_or_grad
@@ -100,7 +101,7 @@ class CompiledCallable:
     """What :func:`compile` returns; call it like the original function or module."""
 
     def __init__(self, fn: Callable[..., Any], backend: str = "eager", profile_regions: bool = False,
-                 dynamic: bool | None = None) -> None:
+                 dynamic: bool | None = None, tiers: str | Tiers | None = None) -> None:
         if backend not in BACKEND_PASSES:
             raise BackendError(f"unknown backend {backend!r}; choose one of {sorted(BACKEND_PASSES)}.")
         if dynamic not in (None, True, False):
@@ -109,6 +110,7 @@ class CompiledCallable:
         self.backend = backend
         self.profile_regions = profile_regions
         self.dynamic = dynamic
+        self.tiers = tiers_for(backend, tiers)
         self.cache: dict[Any, list[CompiledEntry]] = {}
         self.shapes = ShapeCache(dynamic)  # the same programs by signature without sizes
         self.stats = CompileStats()
@@ -256,7 +258,7 @@ class CompiledCallable:
             traced = trace_program(self.fn, args, kwargs, profile_regions=self.profile_regions,
                                    dynamic=dynamic)
         self._refuse_changing_state(traced.forward if isinstance(traced, TrainingProgram) else traced)
-        program = run_passes(traced, BACKEND_PASSES[self.backend])
+        program, tiers = run_tiered(traced, BACKEND_PASSES[self.backend], self.tiers)
         if not isinstance(program, TrainingProgram):
             program = run_passes(program, INFERENCE_PASSES[self.backend])
         forward = program.forward if isinstance(program, TrainingProgram) else program
@@ -278,6 +280,7 @@ class CompiledCallable:
                          if id(t) in cells),
             float_names=inputs.names,
             float_paths=tuple(inputs.read),
+            tiers=tiers,
         )
 
     def _refuse_changing_state(self, forward: Program) -> None:
@@ -338,8 +341,8 @@ class CompiledCallable:
         if failed is not None:  # the user's error raises as eager's, after eager's effects
             return eager_instead(self.fn, args, kwargs, failed, self._name())
         self.stats.calls += 1
-        program = entry.program
-        forward = entry.forward
+        program = entry.program if entry.tiers is None else entry.tiers.program(entry)  # (a call boundary)
+        forward = program.forward if isinstance(program, TrainingProgram) else program
         inputs = [leaves[i] for i in entry.tensor_positions]
         inputs.extend(lifted)
         for i, path in entry.floats:  # each float input's value now (Note [Float inputs])

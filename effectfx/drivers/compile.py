@@ -24,28 +24,36 @@ from typing import Any
 
 import torch
 
+from ..backends.tiers import Tiers, tiers_for
 from ..guards.reads import same_class
 from ..regions.decorator import active_tracer
 from .callable import CompiledCallable
 
 
 def compile(fn: Callable[..., Any], *, backend: str = "eager",  # noqa: A001
-            profile_regions: bool = False, dynamic: bool | None = None) -> Any:
+            profile_regions: bool = False, dynamic: bool | None = None, tiers: str | Tiers | None = None
+            ) -> Any:
     """Compile ``fn``: autograd, caching per signature, effects in order.  A function gives a
     :class:`CompiledCallable`; an ``nn.Module`` gives its compiled module (:func:`compiled_module`), which
     is the model for every purpose but the call.  ``profile_regions=True`` opens a profiler range
     ``region:<name>`` around every region call.  ``dynamic`` (Note [Symbolic shapes]): None captures
     static first and makes the sizes that change between calls symbolic; True makes every size symbolic
-    from the first call; False captures each new size anew."""
+    from the first call; False captures each new size anew.  ``tiers`` (backend="inductor";
+    ``effectfx.backends.tiers``): "background" (the default) compiles a whole-program tier 2 in a thread
+    once a program served 10 calls and switches to it at a call boundary; "at-once" compiles it in the
+    calling thread, at the first call; "tier1" never; ``efx.Tiers(mode, after=n)`` after ``n`` calls.  A
+    compiled callable or module is not compiled again (Note [Nested compiles])."""
     compiled = fn.compiled if isinstance(fn, torch.nn.Module) and _is_compiled(fn) else fn
     if isinstance(compiled, CompiledCallable):  # compiled already: idempotent (Note [Nested compiles])
-        options = (compiled.backend, compiled.profile_regions, compiled.dynamic)
-        if options == (backend, profile_regions, dynamic):
+        options = (compiled.backend, compiled.profile_regions, compiled.dynamic, compiled.tiers)
+        if options == (backend, profile_regions, dynamic, tiers_for(backend, tiers)):
             return fn
         fn = fn.original if compiled is not fn else compiled.fn
     if isinstance(fn, torch.nn.Module):
-        return compiled_module(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
-    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
+        return compiled_module(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic,
+                               tiers=tiers)
+    return CompiledCallable(fn, backend=backend, profile_regions=profile_regions, dynamic=dynamic,
+                            tiers=tiers)
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -59,12 +67,13 @@ _CALLABLE_API = frozenset({"programs", "stats", "cache", "backend", "profile_reg
 
 
 def _rebuild(model: torch.nn.Module, backend: str, profile_regions: bool,
-             dynamic: bool | None = None) -> torch.nn.Module:
-    return compiled_module(model, backend=backend, profile_regions=profile_regions, dynamic=dynamic)
+             dynamic: bool | None = None, tiers: str | Tiers | None = None) -> torch.nn.Module:
+    return compiled_module(model, backend=backend, profile_regions=profile_regions, dynamic=dynamic,
+                           tiers=tiers)
 
 
-def compiled_module(model: torch.nn.Module, backend: str = "eager",
-                    profile_regions: bool = False, dynamic: bool | None = None) -> torch.nn.Module:
+def compiled_module(model: torch.nn.Module, backend: str = "eager", profile_regions: bool = False,
+                    dynamic: bool | None = None, tiers: str | Tiers | None = None) -> torch.nn.Module:
     """``efx.compile(model)``: an ``nn.Module`` that is the model for every purpose but the call.
 
     It is an instance of a subclass of the model's own class made for it, whose instance state *is* the
@@ -80,7 +89,7 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
     again when loaded."""
     base = type(model)
     compiled = CompiledCallable(model.forward, backend=backend, profile_regions=profile_regions,
-                                dynamic=dynamic)
+                                dynamic=dynamic, tiers=tiers)
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if active_tracer() is not None:  # inlined, with this module as ``self``: what the outer trace reads
@@ -100,13 +109,13 @@ def compiled_module(model: torch.nn.Module, backend: str = "eager",
             raise
 
     def reduce(self: Any, protocol: Any = None) -> tuple:
-        return (_rebuild, (model, backend, profile_regions, dynamic))
+        return (_rebuild, (model, backend, profile_regions, dynamic, tiers))
 
     namespace = {
         "forward": forward, "__getattr__": getattr_, "__reduce__": reduce, "__reduce_ex__": reduce,
         "__repr__": lambda self: f"{base.__repr__(self)}  # {compiled!r}",
         "__deepcopy__": lambda self, memo: compiled_module(copy.deepcopy(model, memo), backend,
-                                                           profile_regions, dynamic),
+                                                           profile_regions, dynamic, tiers),
         "original": property(lambda self: model, doc="the model this compiled module runs"),
         "_orig_mod": property(lambda self: model), "compiled": property(lambda self: compiled),
         "__efx_compiled__": base, "__module__": base.__module__, "__qualname__": base.__qualname__,

@@ -79,6 +79,7 @@ class CompiledEntry:
     floats: tuple[tuple[int, Path], ...] = ()  # (input position, path) per float input (Note [Float inputs])
     float_names: dict = field(default_factory=dict)  # path -> its name, where the capture knew one
     float_paths: tuple[Path, ...] = ()  # the paths read as inputs (a tuple's: its elements are cells)
+    tiers: Any = None  # backend="inductor": which tier runs, and tier 2's build (backends.tiers.TierState)
 
     def __post_init__(self) -> None:
         self.check = GuardChecker(self.guards)  # the same guards, as code for the hot path

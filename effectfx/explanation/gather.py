@@ -20,6 +20,7 @@ renders them (``str(explanation)``).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -295,8 +296,10 @@ def _compiled_reports(cc: CompiledCallable) -> list[ProgramReport]:
         if entry.why_dynamic:
             why = f"{why}; symbolic sizes ({entry.why_dynamic})"
         done.append((key, entry, labels))
-        reports.append(_program_report(entry.program, f"{name}, signature {n} of {len(entries)}", cc.fn, why,
-                                       diffs, entry.compile_seconds))
+        report = _program_report(entry.program, f"{name}, signature {n} of {len(entries)}", cc.fn, why,
+                                 diffs, entry.compile_seconds)
+        tiers = entry.tiers
+        reports.append(report if tiers is None else dataclasses.replace(report, tier=tiers.describe()))
     return reports
 
 

@@ -124,6 +124,7 @@ class ProgramReport:
     shape_guards: tuple[str, ...] = ()
     specialized: tuple[str, ...] = ()
     segments: tuple[SegmentGraph, ...] = ()  # backend="inductor": the compiled segments of each graph
+    tier: str | None = None  # backend="inductor": which tier runs, and tier 2's build (backends.tiers)
 
     @property
     def bodies(self) -> tuple[BodyReport, ...]:
@@ -257,6 +258,8 @@ def _render_program(p: ProgramReport, lines: list[str], indent: str = "") -> Non
     lines.append(f"{indent}{p.title}: {kind}, {p.form} form")
     if p.compile_seconds is not None:
         lines.append(f"{indent}  compiled in {_ms(p.compile_seconds)}; why: {p.why}")
+    if p.tier is not None:
+        lines.append(f"{indent}  runs {p.tier}")
     lines.append(f"{indent}  inputs: {p.inputs}")
     if p.symbolic:
         lines.append(f"{indent}  symbolic sizes: {', '.join(p.symbolic)}")
