@@ -64,6 +64,7 @@ class Inputs:
                 out.append(a)
             return run(*out)
 
+        call.compiled = run  # type: ignore[attr-defined]  # (what it calls: efx.explain, stats)
         return call
 
 
