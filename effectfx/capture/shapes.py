@@ -176,6 +176,9 @@ class ShapeCache:
 
     def __init__(self, dynamic: bool | None) -> None:
         self.dynamic = dynamic
+        # dimensions its caller says are symbolic from the first capture, by tensor leaf (the sizes a
+        # Dynamo graph takes symbolically: ``drivers.dynamo_inputs``), as ``mark_dynamic`` marks them
+        self.declared: Dynamic = {}
         self.groups: dict[tuple, list[Any]] = {}
         self.memo: dict[tuple, list[Any]] = {}  # exact signature -> symbolic programs found to serve it
 
@@ -201,7 +204,7 @@ class ShapeCache:
 
     def dims_for(self, group: tuple, leaves: list[Any]) -> tuple[Dynamic, str]:
         """The sizes the next capture makes symbolic, and why (for ``efx.explain``)."""
-        marks = marked_dims(leaves)
+        marks = union(marked_dims(leaves), self.declared)
         if self.dynamic is False:
             return {}, ""
         if self.dynamic is True:
@@ -215,7 +218,7 @@ class ShapeCache:
         changed = {i: everything.get(i, dims) for i, dims in changed.items()}
         dims = union(marks, changed, *(symbolic_dims(e) for e in earlier))
         why = "automatic dynamic: sizes changed" if changed else (
-            "mark_dynamic" if marks else "")
+            "mark_dynamic" if marked_dims(leaves) else "symbolic in Dynamo's graph" if marks else "")
         return dims, why
 
     def add(self, group: tuple, entry: Any) -> None:

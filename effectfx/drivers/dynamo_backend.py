@@ -11,6 +11,11 @@ real inputs (Dynamo hands fake example inputs in some modes; they are not used),
 in a graph is refused there with effectfx's own error.  Between graphs the code runs eagerly, so effects keep
 eager's order across graph breaks.
 
+Dynamic sizes.  A graph Dynamo made with symbolic sizes (``dynamic=True``, or automatic dynamic once a size
+changed) takes them as ``int`` inputs; effectfx would capture it once per size.  ``drivers.dynamo_inputs``
+rewrites it so that effectfx captures it once, symbolically: the sizes are read from the tensors' dimensions
+Dynamo made symbolic, and those are symbolic from effectfx's first capture.
+
 ``options={"backend": "inductor"}`` selects effectfx's Inductor lowering (``efx.compile(..., backend=
 "inductor")``); the default is ``"eager"``.
 
@@ -36,6 +41,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from ..errors import BackendError
 from ..program.containers import register_tensor_holders
 from .callable import BACKEND_PASSES, CompiledCallable
+from .dynamo_inputs import effectfx_inputs
 
 NAME = "effectfx"
 _TARGET = "effectfx.drivers.dynamo_backend:effectfx_backend"
@@ -61,10 +67,13 @@ def effectfx_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, mod
     # now, not at the first capture: it registers transformers' cache classes with pytree, and Dynamo
     # guards on the number of pytree classes -- registered after this graph's guards, it recompiles it
     register_tensor_holders()
+    gm, inputs = effectfx_inputs(gm, example_inputs)  # sizes symbolic, numbers plain (drivers.dynamo_inputs)
     for module in gm.modules():  # Dynamo's graph modules make their code at the first call: made now, or
         if isinstance(module, _LazyGraphModule):  # the capture would see their classes change under it
             module.real_recompile()
-    return CompiledCallable(gm.forward, backend=lowering)
+    compiled = CompiledCallable(gm.forward, backend=lowering)
+    compiled.shapes.declared = inputs.dynamic
+    return inputs.adapt(compiled)
 
 
 # -- registration -------------------------------------------------------------------------------------
