@@ -204,3 +204,23 @@ def test_hf_trainer_torch_compile_backend_argument(tmp_path: Any) -> None:
     losses, eval_loss, log = trainer_run(copy.deepcopy(eager_model), tmp_path / "eager")
     got = trainer_run(eager_model, tmp_path / "efx", torch_compile=True, torch_compile_backend="effectfx")
     assert got == (pytest.approx(losses, rel=1e-5), pytest.approx(eval_loss, rel=1e-5), log)
+
+
+def test_hf_trainer_torch_compile_of_an_efx_compiled_model(tmp_path: Any) -> None:
+    """``Trainer(model=efx.compile(m), args=TrainingArguments(torch_compile=True))``: Trainer's
+    ``torch.compile`` treats effectfx's call as opaque and runs its programs; training, evaluation and
+    prediction as eager's."""
+    pytest.importorskip("accelerate")
+    eager_model = gpt2()
+    compiled = efx.compile(copy.deepcopy(eager_model))
+    losses, eval_loss, log = trainer_run(eager_model, tmp_path / "eager")
+    got_losses, got_eval_loss, got_log = trainer_run(compiled, tmp_path / "efx", torch_compile=True)
+    assert got_log == log and len(log) == 2 * (STEPS + 2)
+    assert got_losses == pytest.approx(losses, rel=1e-5)
+    assert got_eval_loss == pytest.approx(eval_loss, rel=1e-5)
+    assert compiled.stats.compiles >= 1 and compiled.stats.calls == STEPS + 2
+    want = transformers.Trainer(model=eager_model, args=arguments(tmp_path / "p0")).predict(dataset(2, 2))
+    got = transformers.Trainer(model=compiled, args=arguments(tmp_path / "p1", torch_compile=True)
+                               ).predict(dataset(2, 2))
+    torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions),
+                               rtol=1e-5, atol=1e-5)
