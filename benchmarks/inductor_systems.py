@@ -12,10 +12,11 @@ Models (same weights in every system; each block/layer first calls the effect op
 each decoder layer (``effectfx.testing.hf.LAYER_LISTS``) wrapped in a marked layer calling the effect op.
 Inference: the forward alone under ``torch.no_grad()`` (the stack's output, the models' logits).
 
-Systems: ``eager``; ``efx`` = ``efx.compile(model, backend="inductor")`` (each region body compiled once,
-:mod:`effectfx.backends.inductor`); ``efx_hop`` = the same capture handed to torch's own Inductor lowering
-of ``invoke_subgraph`` (:func:`hop_lowering`: one ``compile_fx_inner`` per root graph, bodies lowered once
-inside it) -- the alternative the backend was chosen against; ``tc`` = ``torch.compile(model,
+Systems: ``eager``; ``efx`` = ``efx.compile(model, backend="inductor", tiers="tier1")`` (each region body
+compiled once, :mod:`effectfx.backends.inductor`; tier 1 only: ``benchmarks/tiers.py`` measures tier 2);
+``efx_hop`` = the same capture handed to torch's own Inductor lowering of ``invoke_subgraph``
+(:func:`hop_lowering`: one ``compile_fx_inner`` per root graph, bodies lowered once inside it) -- the
+alternative the backend was chosen against; ``tc`` = ``torch.compile(model,
 backend="inductor")`` on plain blocks; ``tc_ncr`` = the same with ``torch.compiler.nested_compile_region``
 blocks; ``*_pure``: the same model without the effect op (torch.compile fails on some effectful
 configurations; its effect-free run then stands in, marked ``*``); ``efx_twin`` = ``efx`` again, its own
@@ -143,8 +144,10 @@ def compiled(system: str, module: torch.nn.Module) -> Callable[..., Any]:
     how = SYSTEMS[system][0]
     if how == "eager":
         return module
-    if how in ("efx", "efx_hop"):
-        return efx.compile(module, backend="inductor" if how == "efx" else "inductor_hop")
+    if how == "efx":  # tier 1 only: a tier 2 switched in during the steady rounds would mix two steps
+        return efx.compile(module, backend="inductor", tiers="tier1")
+    if how == "efx_hop":
+        return efx.compile(module, backend="inductor_hop")
     return torch.compile(module, backend="inductor")
 
 
