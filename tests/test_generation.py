@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 import effectfx as efx
 import effectfx.testing  # noqa: F401  (registers the efxtest:: ops)
@@ -72,6 +72,67 @@ def test_the_caller_s_cache_ends_as_eager_s(kind: str) -> None:
             for a, b in zip(mine.layers, theirs.layers):
                 assert torch.allclose(a.keys, b.keys, atol=1e-6) and torch.allclose(a.values, b.values, atol=1e-6)
 
+
+
+@pytest.fixture
+def rebuilt(monkeypatch: pytest.MonkeyPatch) -> dict[type, int]:
+    """How many times pytree builds each transformers cache class anew (its unflatten)."""
+    from torch.utils import _pytree
+
+    from effectfx.program.containers import register_tensor_holders
+
+    register_tensor_holders()
+    counts: dict[type, int] = {}
+    for cls in (DynamicCache, StaticCache):
+        node = _pytree.SUPPORTED_NODES[cls]
+
+        def counted(values: object, context: object, cls: type = cls, unflatten: object = node.unflatten_fn
+                    ) -> object:
+            counts[cls] = counts.get(cls, 0) + 1
+            return unflatten(values, context)  # type: ignore[operator]
+
+        monkeypatch.setitem(_pytree.SUPPORTED_NODES, cls, node._replace(unflatten_fn=counted))
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_returned_cache_is_the_caller_s_and_not_rebuilt(kind: str, rebuilt: dict[type, int]) -> None:
+    """The model returns the cache it was given: eager's ``out.past_key_values is cache``, and so is
+    effectfx's, without rebuilding it from the graph's outputs (only a DynamicCache's new state, which
+    is written into the caller's, is built: ``containers.returned_objects``)."""
+    model = hf.build("gpt2").eval()
+    reference = copy.deepcopy(model)
+    compiled = efx.compile(model)
+
+    def new_cache() -> object:
+        if kind == "dynamic":
+            return DynamicCache(config=model.config)
+        return StaticCache(config=model.config, max_cache_len=16)
+
+    mine, theirs = new_cache(), new_cache()
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for step in range(6):
+            ids = torch.randint(0, hf.VOCAB, (1, 5 if step == 0 else 1), generator=generator)
+            at = torch.arange(ids.shape[1]) + (step and 4 + step)
+            options = {} if kind == "dynamic" else {"cache_position": at}
+            compiles = compiled.stats.compiles
+            with recording() as want:
+                expected = reference(input_ids=ids, past_key_values=theirs, use_cache=True, **options)
+            tensors = [t for layer in getattr(mine, "layers", ()) for t in (layer.keys, layer.values)]
+            rebuilt.clear()
+            with recording() as got:
+                out = compiled(input_ids=ids, past_key_values=mine, use_cache=True, **options)
+            assert expected.past_key_values is theirs and out.past_key_values is mine
+            assert got == want and torch.allclose(out.logits, expected.logits, atol=1e-5)
+            if compiled.stats.compiles == compiles:  # (a capture flattens and builds it as it likes)
+                assert rebuilt.get(type(mine), 0) == (1 if kind == "dynamic" else 0)
+            for a, b in zip(mine.layers, theirs.layers):
+                assert torch.allclose(a.keys, b.keys, atol=1e-6)
+                assert torch.allclose(a.values, b.values, atol=1e-6)
+            if kind == "static" and step:  # updated in place: the caller's very tensors
+                assert all(a is b for a, b in zip(tensors, [t for layer in mine.layers
+                                                            for t in (layer.keys, layer.values)]))
 
 # -- lists: a region's, and the root's -----------------------------------------------------------------------
 @efx.region
