@@ -98,8 +98,8 @@ def rebuilt(monkeypatch: pytest.MonkeyPatch) -> dict[type, int]:
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_a_returned_cache_is_the_caller_s_and_not_rebuilt(kind: str, rebuilt: dict[type, int]) -> None:
     """The model returns the cache it was given: eager's ``out.past_key_values is cache``, and so is
-    effectfx's, without rebuilding it from the graph's outputs (only a DynamicCache's new state, which
-    is written into the caller's, is built: ``containers.returned_objects``)."""
+    effectfx's, without rebuilding it from the graph's outputs; a DynamicCache's new state is written into
+    the caller's leaf by leaf, its layers staying the caller's, as eager's do (``program.returned``)."""
     model = hf.build("gpt2").eval()
     reference = copy.deepcopy(model)
     compiled = efx.compile(model)
@@ -120,19 +120,54 @@ def test_a_returned_cache_is_the_caller_s_and_not_rebuilt(kind: str, rebuilt: di
             with recording() as want:
                 expected = reference(input_ids=ids, past_key_values=theirs, use_cache=True, **options)
             tensors = [t for layer in getattr(mine, "layers", ()) for t in (layer.keys, layer.values)]
+            layers = list(mine.layers)
             rebuilt.clear()
             with recording() as got:
                 out = compiled(input_ids=ids, past_key_values=mine, use_cache=True, **options)
             assert expected.past_key_values is theirs and out.past_key_values is mine
             assert got == want and torch.allclose(out.logits, expected.logits, atol=1e-5)
             if compiled.stats.compiles == compiles:  # (a capture flattens and builds it as it likes)
-                assert rebuilt.get(type(mine), 0) == (1 if kind == "dynamic" else 0)
+                assert rebuilt.get(type(mine), 0) == 0
+                assert all(a is b for a, b in zip(layers, mine.layers, strict=True))
             for a, b in zip(mine.layers, theirs.layers):
                 assert torch.allclose(a.keys, b.keys, atol=1e-6)
                 assert torch.allclose(a.values, b.values, atol=1e-6)
             if kind == "static" and step:  # updated in place: the caller's very tensors
                 assert all(a is b for a, b in zip(tensors, [t for layer in mine.layers
                                                             for t in (layer.keys, layer.values)]))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_growing_cache_s_new_tensors_go_into_the_caller_s_layers(grad: bool) -> None:
+    """A DynamicCache's layers take their longer tensors in place, as eager's code left them: the caller's
+    layer objects stay (``program.returned``), under autograd too (a training program's outputs)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, eos_token_id=None, bos_token_id=None)
+    w = torch.randn(8, requires_grad=grad)
+
+    def f(x: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, DynamicCache]:
+        k = (x * w).view(1, 2, -1, 4)
+        keys, values = cache.update(k, k * 2, 0)
+        return keys.sum() + values.sum(), cache
+
+    compiled = efx.compile(f)
+    mine, theirs = DynamicCache(config=config), DynamicCache(config=config)
+    for step in range(5):
+        x = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(step))
+        expected, _ = f(x, theirs)
+        layers = list(mine.layers)
+        got, cache = compiled(x, mine)
+        assert cache is mine and torch.allclose(got, expected)
+        assert torch.equal(mine.layers[0].keys, theirs.layers[0].keys)
+        assert torch.equal(mine.layers[0].values, theirs.layers[0].values)
+        assert mine.layers[0].keys.requires_grad == theirs.layers[0].keys.requires_grad == grad
+        if step:  # (the first call initializes the layers: a new structure, written as a whole)
+            assert all(a is b for a, b in zip(layers, mine.layers, strict=True))
+        if grad:
+            want = torch.autograd.grad(expected, w, retain_graph=True)[0]
+            assert torch.allclose(torch.autograd.grad(got, w, retain_graph=True)[0], want)
+    assert compiled.stats.compiles == 3
 
 # -- lists: a region's, and the root's -----------------------------------------------------------------------
 @efx.region

@@ -11,7 +11,8 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_le
 
 from ..errors import UnsupportedMutationError
 from ..graph.source import definition
-from ..program.containers import changed, returned_objects, snapshot, value_at
+from ..program.containers import changed, snapshot, value_at
+from ..program.returned import returned_objects
 
 # what a graph returns besides tensors
 PLAIN_LEAVES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))

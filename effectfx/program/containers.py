@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_unflatten, treespec_leaf
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from ..guards.check import set_at
 
@@ -178,20 +178,25 @@ def _within(out: torch.Tensor, new: torch.Tensor) -> bool:
     return new.storage_offset() <= out.storage_offset() and last < new.storage_offset() + new.numel()
 
 
-def _is_object(value: Any) -> bool:
-    return hasattr(value, "__dict__") and type(value) in SUPPORTED_NODES and type(value) in _REGISTERED
+def is_object_node(value: Any) -> bool:
+    """An object of a class registered by :func:`register_tensor_holders` (a transformers cache)."""
+    return hasattr(value, "__dict__") and holder_class(type(value))
+
+
+def holder_class(cls: Any) -> bool:
+    return cls in SUPPORTED_NODES and cls in _REGISTERED
 
 
 def same_objects(result: Any, written: list[Any]) -> Any:
     """``result`` with each object that holds exactly the tensors of one the caller's containers were
     written into replaced by the caller's own: the code returned the cache it was given, and eager's caller
     gets that very object back (``outputs.past_key_values is cache``)."""
-    mine = [(w, tree_flatten(w)[0]) for w in written if _is_object(w)]
+    mine = [(w, tree_flatten(w)[0]) for w in written if is_object_node(w)]
     if not mine:
         return result
-    leaves, spec = tree_flatten(result, is_leaf=_is_object)
+    leaves, spec = tree_flatten(result, is_leaf=is_object_node)
     for k, leaf in enumerate(leaves):
-        if _is_object(leaf):
+        if is_object_node(leaf):
             held = tree_flatten(leaf)[0]
             for obj, tensors in mine:
                 if type(obj) is type(leaf) and len(held) == len(tensors) and all(
@@ -199,60 +204,6 @@ def same_objects(result: Any, written: list[Any]) -> Any:
                     leaves[k] = obj
                     break
     return tree_unflatten(leaves, spec)
-
-
-def returned_objects(out: Any, args: tuple, kwargs: dict) -> tuple[tuple[Position, int, int, type], ...]:
-    """Where the code's result holds an argument's object itself (the cache it was given, returned):
-    ``(position, first leaf, number of leaves, class)`` in the result's flattened order.  Eager's caller gets
-    that very object back (``outputs.past_key_values is cache``), so a run returns the caller's, which
-    holds the same state by then (written back), instead of rebuilding one (:func:`unflatten_plan`)."""
-    objects = {id(v): p for p in positions(args, kwargs) if _is_object(v := value_at(args, kwargs, p))}
-    if not objects:
-        return ()
-    found, start = [], 0
-    for leaf in tree_flatten(out, is_leaf=lambda x: id(x) in objects)[0]:
-        n = len(tree_flatten(leaf)[0]) if id(leaf) in objects else 1
-        if id(leaf) in objects:
-            found.append((objects[id(leaf)], start, n, type(leaf)))
-        start += n
-    return tuple(found)
-
-
-def unflatten_plan(spec: TreeSpec, layout: tuple, returned: tuple) -> tuple[TreeSpec, tuple, frozenset]:
-    """``(spec, layout, positions)`` to build a result whose subtrees ``returned`` (:func:`returned_objects`,
-    found at the trace) are leaves: ``layout`` holds ``(None, position)`` there, the caller's argument.
-    Where the spec does not show them, or no argument object is returned, the result's own spec and
-    layout (it is rebuilt) and no positions."""
-    spans = {start: (n, cls) for _, start, n, cls in returned}
-    # (where in the spec would an empty one be?)
-    if not returned or len(spans) < len(returned) or any(r[2] == 0 for r in returned):
-        return spec, layout, frozenset()
-    replaced: list[int] = []
-
-    def reduce(node: TreeSpec, offset: int) -> TreeSpec:
-        hit = spans.get(offset)
-        if hit is not None and node.type is hit[1] and node.num_leaves == hit[0] and offset not in replaced:
-            replaced.append(offset)
-            return treespec_leaf()
-        if node.is_leaf():
-            return node
-        children = []
-        for child in node.children():
-            children.append(reduce(child, offset))
-            offset += child.num_leaves
-        return TreeSpec(node.type, node.context, children)
-
-    reduced = reduce(spec, 0)
-    if len(replaced) != len(spans):
-        return spec, layout, frozenset()
-    kept: list = []
-    k = 0
-    for p, start, n, _ in returned:
-        kept.extend(layout[k:start])
-        kept.append((None, p))
-        k = start + n
-    kept.extend(layout[k:])
-    return reduced, tuple(kept), frozenset(p for p, _, _, _ in returned)
 
 
 def write_state(targets: tuple, values: list[Any]) -> None:

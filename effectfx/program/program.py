@@ -23,18 +23,10 @@ from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, 
 from ..graph.traced import OutputKind, OutputLeaf, TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.walk import subgraphs
 from . import serialize
-from .containers import (
-    onto_caller,
-    returned_inputs,
-    same_objects,
-    unflatten_plan,
-    value_at,
-    view_outputs,
-    write_into,
-    write_state,
-)
+from .containers import onto_caller, returned_inputs, same_objects, value_at, view_outputs, write_state
 from .python_writes import PythonState
 from .records import BodyInfo, Form, InputSignature, PassRecord, RegionEntry
+from .returned import unflatten_plan, write_new
 from .text import program_text
 
 
@@ -85,7 +77,9 @@ class Program:
         layout = tuple(OutputLeaf(OutputKind(kind), v) for kind, v in self.out_layout)
         object.__setattr__(self, "form", Form(self.form))
         object.__setattr__(self, "out_layout", layout)
-        object.__setattr__(self, "_plan", unflatten_plan(self.out_spec, layout, self.returned_args))
+        object.__setattr__(self, "_plan", unflatten_plan(  # (the states follow the result: ``finish``)
+            self.out_spec, layout, self.returned_args, self.written_args, self.signature.spec,
+            bool(self.state_writes) + (self.python_state is not None)))
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -143,8 +137,9 @@ class Program:
         """The result; given the call's arguments, an argument's object the code returned is the caller's
         itself, as in eager (``containers.unflatten_plan``; ``finish`` writes its new state into it)."""
         spec, layout, _ = self._plan if args is not None else (self.out_spec, self.out_layout, ())
-        leaves = [tensor_outs[v] if kind is OutputKind.TENSOR else v if kind is not None
-                  else value_at(args, kwargs, v) for kind, v in layout]
+        leaves = [tensor_outs[v] if kind is OutputKind.TENSOR else v if kind is OutputKind.CONST
+                  else value_at(args, kwargs, v) if kind is None else kind.value(tensor_outs)
+                  for kind, v in layout]
         return tree_unflatten(leaves, spec)
 
     def finish(self, result: Any, args: tuple, kwargs: dict) -> Any:
@@ -159,7 +154,7 @@ class Program:
         if not self.written_args:
             return result
         result, states = result
-        written = [write_into(value_at(args, kwargs, where), new)
+        written = [write_new(value_at(args, kwargs, where), new)
                    for where, new in zip(self.written_args, states)]
         mine = [w for where, w in zip(self.written_args, written) if where not in self._plan[2]]  # not in it
         return same_objects(result, mine)
