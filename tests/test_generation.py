@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 from transformers import DynamicCache, StaticCache
 
 import effectfx as efx
@@ -276,3 +277,23 @@ def test_a_left_padded_batch_generates_as_eager() -> None:
         out = compiled.generate(ids, **options)
     assert got == want and torch.equal(out.sequences, expected.sequences)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.scores, expected.scores))
+
+
+def test_a_new_state_is_written_leaf_by_leaf_only_where_a_walk_finds_its_leaves() -> None:
+    """``program.returned._leaf_paths``: the place of each leaf of a cache, in pytree's order; none (the
+    new state is built and written as a whole) where a leaf sits in a tuple, which cannot be written into."""
+    from transformers import GPT2Config
+
+    from effectfx.program.containers import register_tensor_holders
+    from effectfx.program.returned import _at, _leaf_paths
+
+    register_tensor_holders()
+    cache = DynamicCache(config=GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=10, eos_token_id=None,
+                                           bos_token_id=None))
+    for i in range(2):
+        cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), i)
+    leaves = tree_flatten(cache)[0]
+    paths = _leaf_paths(cache)
+    assert len(paths) == len(leaves) == 4 and all(_at(cache, *p) is t for p, t in zip(paths, leaves))
+    cache.layers[1].pair = (torch.zeros(1), torch.ones(1))
+    assert _leaf_paths(cache) == []
