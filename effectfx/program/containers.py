@@ -180,7 +180,7 @@ def _within(out: torch.Tensor, new: torch.Tensor) -> bool:
 
 def is_object_node(value: Any) -> bool:
     """An object of a class registered by :func:`register_tensor_holders` (a transformers cache)."""
-    return hasattr(value, "__dict__") and holder_class(type(value))
+    return holder_class(type(value)) and hasattr(value, "__dict__")  # (type() first: a label records reads)
 
 
 def holder_class(cls: Any) -> bool:
