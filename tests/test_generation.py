@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 import torch
-from transformers import DynamicCache
+from torch.utils._pytree import tree_flatten
+from transformers import DynamicCache, StaticCache
 
 import effectfx as efx
 import effectfx.testing  # noqa: F401  (registers the efxtest:: ops)
@@ -72,6 +73,102 @@ def test_the_caller_s_cache_ends_as_eager_s(kind: str) -> None:
             for a, b in zip(mine.layers, theirs.layers):
                 assert torch.allclose(a.keys, b.keys, atol=1e-6) and torch.allclose(a.values, b.values, atol=1e-6)
 
+
+
+@pytest.fixture
+def rebuilt(monkeypatch: pytest.MonkeyPatch) -> dict[type, int]:
+    """How many times pytree builds each transformers cache class anew (its unflatten)."""
+    from torch.utils import _pytree
+
+    from effectfx.program.containers import register_tensor_holders
+
+    register_tensor_holders()
+    counts: dict[type, int] = {}
+    for cls in (DynamicCache, StaticCache):
+        node = _pytree.SUPPORTED_NODES[cls]
+
+        def counted(values: object, context: object, cls: type = cls, unflatten: object = node.unflatten_fn
+                    ) -> object:
+            counts[cls] = counts.get(cls, 0) + 1
+            return unflatten(values, context)  # type: ignore[operator]
+
+        monkeypatch.setitem(_pytree.SUPPORTED_NODES, cls, node._replace(unflatten_fn=counted))
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_returned_cache_is_the_caller_s_and_not_rebuilt(kind: str, rebuilt: dict[type, int]) -> None:
+    """The model returns the cache it was given: eager's ``out.past_key_values is cache``, and so is
+    effectfx's, without rebuilding it from the graph's outputs; a DynamicCache's new state is written into
+    the caller's leaf by leaf, its layers staying the caller's, as eager's do (``program.returned``)."""
+    model = hf.build("gpt2").eval()
+    reference = copy.deepcopy(model)
+    compiled = efx.compile(model)
+
+    def new_cache() -> object:
+        if kind == "dynamic":
+            return DynamicCache(config=model.config)
+        return StaticCache(config=model.config, max_cache_len=16)
+
+    mine, theirs = new_cache(), new_cache()
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for step in range(6):
+            ids = torch.randint(0, hf.VOCAB, (1, 5 if step == 0 else 1), generator=generator)
+            at = torch.arange(ids.shape[1]) + (step and 4 + step)
+            options = {} if kind == "dynamic" else {"cache_position": at}
+            compiles = compiled.stats.compiles
+            with recording() as want:
+                expected = reference(input_ids=ids, past_key_values=theirs, use_cache=True, **options)
+            tensors = [t for layer in getattr(mine, "layers", ()) for t in (layer.keys, layer.values)]
+            layers = list(mine.layers)
+            rebuilt.clear()
+            with recording() as got:
+                out = compiled(input_ids=ids, past_key_values=mine, use_cache=True, **options)
+            assert expected.past_key_values is theirs and out.past_key_values is mine
+            assert got == want and torch.allclose(out.logits, expected.logits, atol=1e-5)
+            if compiled.stats.compiles == compiles:  # (a capture flattens and builds it as it likes)
+                assert rebuilt.get(type(mine), 0) == 0
+                assert all(a is b for a, b in zip(layers, mine.layers, strict=True))
+            for a, b in zip(mine.layers, theirs.layers):
+                assert torch.allclose(a.keys, b.keys, atol=1e-6)
+                assert torch.allclose(a.values, b.values, atol=1e-6)
+            if kind == "static" and step:  # updated in place: the caller's very tensors
+                assert all(a is b for a, b in zip(tensors, [t for layer in mine.layers
+                                                            for t in (layer.keys, layer.values)]))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_growing_cache_s_new_tensors_go_into_the_caller_s_layers(grad: bool) -> None:
+    """A DynamicCache's layers take their longer tensors in place, as eager's code left them: the caller's
+    layer objects stay (``program.returned``), under autograd too (a training program's outputs)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, eos_token_id=None, bos_token_id=None)
+    w = torch.randn(8, requires_grad=grad)
+
+    def f(x: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, DynamicCache]:
+        k = (x * w).view(1, 2, -1, 4)
+        keys, values = cache.update(k, k * 2, 0)
+        return keys.sum() + values.sum(), cache
+
+    compiled = efx.compile(f)
+    mine, theirs = DynamicCache(config=config), DynamicCache(config=config)
+    for step in range(5):
+        x = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(step))
+        expected, _ = f(x, theirs)
+        layers = list(mine.layers)
+        got, cache = compiled(x, mine)
+        assert cache is mine and torch.allclose(got, expected)
+        assert torch.equal(mine.layers[0].keys, theirs.layers[0].keys)
+        assert torch.equal(mine.layers[0].values, theirs.layers[0].values)
+        assert mine.layers[0].keys.requires_grad == theirs.layers[0].keys.requires_grad == grad
+        if step:  # (the first call initializes the layers: a new structure, written as a whole)
+            assert all(a is b for a, b in zip(layers, mine.layers, strict=True))
+        if grad:
+            want = torch.autograd.grad(expected, w, retain_graph=True)[0]
+            assert torch.allclose(torch.autograd.grad(got, w, retain_graph=True)[0], want)
+    assert compiled.stats.compiles == 3
 
 # -- lists: a region's, and the root's -----------------------------------------------------------------------
 @efx.region
@@ -180,3 +277,23 @@ def test_a_left_padded_batch_generates_as_eager() -> None:
         out = compiled.generate(ids, **options)
     assert got == want and torch.equal(out.sequences, expected.sequences)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.scores, expected.scores))
+
+
+def test_a_new_state_is_written_leaf_by_leaf_only_where_a_walk_finds_its_leaves() -> None:
+    """``program.returned._leaf_paths``: the place of each leaf of a cache, in pytree's order; none (the
+    new state is built and written as a whole) where a leaf sits in a tuple, which cannot be written into."""
+    from transformers import GPT2Config
+
+    from effectfx.program.containers import register_tensor_holders
+    from effectfx.program.returned import _at, _leaf_paths
+
+    register_tensor_holders()
+    cache = DynamicCache(config=GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=10, eos_token_id=None,
+                                           bos_token_id=None))
+    for i in range(2):
+        cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), i)
+    leaves = tree_flatten(cache)[0]
+    paths = _leaf_paths(cache)
+    assert len(paths) == len(leaves) == 4 and all(_at(cache, *p) is t for p, t in zip(paths, leaves))
+    cache.layers[1].pair = (torch.zeros(1), torch.ones(1))
+    assert _leaf_paths(cache) == []

@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_is_le
 from ..errors import UnsupportedMutationError
 from ..graph.source import definition
 from ..program.containers import changed, snapshot, value_at
+from ..program.returned import returned_objects
 
 # what a graph returns besides tensors
 PLAIN_LEAVES = (int, float, bool, str, complex, torch.dtype, torch.device, type(None))
@@ -88,6 +89,7 @@ class WrittenState:
     def __init__(self, before: dict) -> None:
         self.before = before
         self.positions: tuple = ()
+        self.returned: tuple = ()  # argument objects the result holds itself (containers.returned_objects)
 
 
 def with_written_state(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, WrittenState]:
@@ -98,6 +100,7 @@ def with_written_state(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Written
     def run() -> Any:
         out = fn(*args, **kwargs)
         state.positions, values = written_state(state.before, args, kwargs)
+        state.returned = returned_objects(out, args, kwargs)
         return (out, values) if state.positions else out
 
     return run, state

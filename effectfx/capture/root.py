@@ -50,6 +50,7 @@ class RootTrace:
     written_args: tuple
     python: PythonState | None  # the Python state it writes (Note [Python state])
     input_hooks: tuple  # tensor hooks the code registers on inputs (interposers.tensor_hooks)
+    returned_args: tuple = ()  # argument objects its result holds itself (containers.returned_objects)
 
 
 def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: Callable[..., Any],
@@ -121,7 +122,7 @@ def trace_root(fn: Callable[..., Any], args: tuple, kwargs: dict, call_region: C
     )
     guards = (*[g for g in reads.guards.values() if not step.replaces(g.path)], *hook_guards, *step.guards)
     return RootTrace(tracer, traced, leaves, spec, names, signature, guards, step, reads, written.positions,
-                     journal.state(), tuple(input_hooks))
+                     journal.state(), tuple(input_hooks), written.returned)
 
 
 def _state_roots(target: Any, owner: Any, leaves: list[Any], names: list[str]) -> list[tuple[Any, str, Any]]:

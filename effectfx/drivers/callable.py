@@ -348,9 +348,10 @@ class CompiledCallable:
         for i, path in entry.floats:  # each float input's value now (Note [Float inputs])
             inputs[i] = current(resolve(path, ()))
         if isinstance(program, TrainingProgram):
-            result = forward.unflatten(forward.write_back(inputs, list(program.run_autograd(inputs))))
+            outs = list(program.run_autograd(inputs))
+            result = forward.unflatten(forward.write_back(inputs, outs), args, kwargs)
         else:
-            result = forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)))
+            result = forward.unflatten(forward.write_back(inputs, forward.run_flat(inputs)), args, kwargs)
         if forward.written_args or forward.state_writes or forward.python_state is not None:
             return forward.finish(result, args, kwargs)
         return result

@@ -101,7 +101,7 @@ def _forward(root: RootTrace, record: tuple, name: str) -> Program:
         specialized=tuple(tracer.specialized), written_args=root.written_args,
         state_writes=tuple(step.targets),
         state_holds=GuardChecker(tuple(step.guards)) if step.targets else None, python_state=root.python,
-        input_hooks=root.input_hooks,
+        input_hooks=root.input_hooks, returned_args=root.returned_args,
     )
 
 

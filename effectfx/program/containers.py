@@ -178,20 +178,25 @@ def _within(out: torch.Tensor, new: torch.Tensor) -> bool:
     return new.storage_offset() <= out.storage_offset() and last < new.storage_offset() + new.numel()
 
 
-def _is_object(value: Any) -> bool:
-    return hasattr(value, "__dict__") and type(value) in SUPPORTED_NODES and type(value) in _REGISTERED
+def is_object_node(value: Any) -> bool:
+    """An object of a class registered by :func:`register_tensor_holders` (a transformers cache)."""
+    return holder_class(type(value)) and hasattr(value, "__dict__")  # (type() first: a label records reads)
+
+
+def holder_class(cls: Any) -> bool:
+    return cls in SUPPORTED_NODES and cls in _REGISTERED
 
 
 def same_objects(result: Any, written: list[Any]) -> Any:
     """``result`` with each object that holds exactly the tensors of one the caller's containers were
     written into replaced by the caller's own: the code returned the cache it was given, and eager's caller
     gets that very object back (``outputs.past_key_values is cache``)."""
-    mine = [(w, tree_flatten(w)[0]) for w in written if _is_object(w)]
+    mine = [(w, tree_flatten(w)[0]) for w in written if is_object_node(w)]
     if not mine:
         return result
-    leaves, spec = tree_flatten(result, is_leaf=_is_object)
+    leaves, spec = tree_flatten(result, is_leaf=is_object_node)
     for k, leaf in enumerate(leaves):
-        if _is_object(leaf):
+        if is_object_node(leaf):
             held = tree_flatten(leaf)[0]
             for obj, tensors in mine:
                 if type(obj) is type(leaf) and len(held) == len(tensors) and all(

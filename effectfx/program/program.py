@@ -23,17 +23,10 @@ from ..graph.torch_func import FUNCTORCH, torch_func_kinds, torch_func_refusal, 
 from ..graph.traced import OutputKind, OutputLeaf, TensorMeta, same_forward, saved_positions, tangents_of
 from ..graph.walk import subgraphs
 from . import serialize
-from .containers import (
-    onto_caller,
-    returned_inputs,
-    same_objects,
-    value_at,
-    view_outputs,
-    write_into,
-    write_state,
-)
+from .containers import onto_caller, returned_inputs, same_objects, value_at, view_outputs, write_state
 from .python_writes import PythonState
 from .records import BodyInfo, Form, InputSignature, PassRecord, RegionEntry
+from .returned import unflatten_plan, write_new
 from .text import program_text
 
 
@@ -74,13 +67,19 @@ class Program:
     # (input index, method, hook) per tensor hook the code registers on an input: made after each run, on
     # that run's tensor, as eager registers it at each call (``interposers.tensor_hooks``)
     input_hooks: tuple = field(default=(), compare=False, repr=False)
+    # argument objects the result holds itself: the caller's are returned (``containers.returned_objects``)
+    returned_args: tuple = field(default=(), compare=False, repr=False)
     _views: list = field(default_factory=list, init=False, compare=False, repr=False)  # (view_outputs)
     _returned: list = field(default_factory=list, init=False, compare=False, repr=False)  # (returned_inputs)
+    _plan: tuple = field(default=(), init=False, compare=False, repr=False)  # (containers.unflatten_plan)
 
     def __post_init__(self) -> None:  # a form, an output's kind, may be given by its name
         layout = tuple(OutputLeaf(OutputKind(kind), v) for kind, v in self.out_layout)
         object.__setattr__(self, "form", Form(self.form))
         object.__setattr__(self, "out_layout", layout)
+        object.__setattr__(self, "_plan", unflatten_plan(  # (the states follow the result: ``finish``)
+            self.out_spec, layout, self.returned_args, self.written_args, self.signature.spec,
+            bool(self.state_writes) + (self.python_state is not None)))
 
     # -- inspection ------------------------------------------------------------------------------
     @property
@@ -134,9 +133,14 @@ class Program:
                                                                                          self.lifted_from)
         return [*self.signature.bind(args, kwargs, self.name), *lifted]
 
-    def unflatten(self, tensor_outs: list[Any]) -> Any:
-        leaves = [tensor_outs[v] if kind is OutputKind.TENSOR else v for kind, v in self.out_layout]
-        return tree_unflatten(leaves, self.out_spec)
+    def unflatten(self, tensor_outs: list[Any], args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        """The result; given the call's arguments, an argument's object the code returned is the caller's
+        itself, as in eager (``containers.unflatten_plan``; ``finish`` writes its new state into it)."""
+        spec, layout, _ = self._plan if args is not None else (self.out_spec, self.out_layout, ())
+        leaves = [tensor_outs[v] if kind is OutputKind.TENSOR else v if kind is OutputKind.CONST
+                  else value_at(args, kwargs, v) if kind is None else kind.value(tensor_outs)
+                  for kind, v in layout]
+        return tree_unflatten(leaves, spec)
 
     def finish(self, result: Any, args: tuple, kwargs: dict) -> Any:
         """The user's result; the caller's containers and the step's Python state take the states the code
@@ -150,9 +154,10 @@ class Program:
         if not self.written_args:
             return result
         result, states = result
-        written = [write_into(value_at(args, kwargs, where), new)
+        written = [write_new(value_at(args, kwargs, where), new)
                    for where, new in zip(self.written_args, states)]
-        return same_objects(result, written)
+        mine = [w for where, w in zip(self.written_args, written) if where not in self._plan[2]]  # not in it
+        return same_objects(result, mine)
 
     def write_back(self, inputs: list[Any], outs: list[Any]) -> list[Any]:
         """Write the new values of mutated inputs into the caller's tensors, as eager's in-place ops did;
@@ -228,7 +233,7 @@ class Program:
         outs = self.run_flat(inputs)
         if self.n_extra_outputs:
             outs = outs[: len(outs) - self.n_extra_outputs]
-        return self.finish(self.unflatten(self.write_back(inputs, outs)), args, kwargs)
+        return self.finish(self.unflatten(self.write_back(inputs, outs), args, kwargs), args, kwargs)
 
 
 class _RunTraining(torch.autograd.Function):
@@ -397,9 +402,9 @@ class TrainingProgram:
         inputs = self.forward.flat_inputs(args, kwargs)
         if FUNCTORCH.peek_interpreter_stack() is not None:
             _refuse_under_torch_func(self.forward.name, inputs, training=True)
-        outs = self.run_autograd(inputs)
         forward = self.forward
-        return forward.finish(forward.unflatten(forward.write_back(inputs, list(outs))), args, kwargs)
+        outs = forward.write_back(inputs, list(self.run_autograd(inputs)))
+        return forward.finish(forward.unflatten(outs, args, kwargs), args, kwargs)
 
 
 def _refuse_under_torch_func(name: str, inputs: list[Any], training: bool) -> None:
