@@ -23,7 +23,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         ok = [r for r in runs if r.get("status") == "ok"]
         check = steady.get("checks", {}).get(system, {})
         checks = [r["check"] for r in ok] + ([check] if check.get("steps") else [])
-        steady_status = steady.get("status", {}).get(system)
+        status = steady.get("status", {})  # per system, or the whole steady child's failure
+        steady_status = status.get(system) if isinstance(status, dict) else status
         call = [{k: median_or_none([r["calls"][i][k] for r in ok if len(r["calls"]) > i])
                  for k in ("wall_s", "cpu_s")} for i in range(ncalls)]
         s: dict[str, Any] = {
