@@ -71,7 +71,9 @@ def effectfx_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, mod
     for module in gm.modules():  # Dynamo's graph modules make their code at the first call: made now, or
         if isinstance(module, _LazyGraphModule):  # the capture would see their classes change under it
             module.real_recompile()
-    compiled = CompiledCallable(gm.forward, backend=lowering)
+    # tier 1 only: a tier-2 build in a background thread sets torch.fx's process-wide tracing flag, and
+    # Dynamo refuses any compiled frame another thread enters meanwhile (docs/SUPPORT.md, "Known bugs")
+    compiled = CompiledCallable(gm.forward, backend=lowering, tiers="tier1")
     compiled.shapes.declared = inputs.dynamic
     return inputs.adapt(compiled)
 
