@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +23,8 @@ from torch import nn
 import effectfx as efx
 from effectfx.drivers import dynamo_backend
 from effectfx.testing import hf, recording
+from effectfx.testing.dynamo import BackendCallables as Made
+from effectfx.testing.dynamo import Logged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -35,19 +36,6 @@ def fresh_dynamo() -> None:
     # every test compiles the same transformers code objects again; Dynamo's per-code recompile limit
     # would fall back to eager, silently, after eight of them
     torch._dynamo.reset()
-
-
-class Logged(nn.Module):
-    """A layer that records its name (key "memory") before running."""
-
-    def __init__(self, layer: nn.Module, name: str) -> None:
-        super().__init__()
-        self.layer = layer
-        self.name = name
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        torch.ops.efxtest.record_memory(self.name)
-        return self.layer(hidden, *args, **kwargs)
 
 
 class NestedLogged(Logged):
@@ -101,28 +89,6 @@ def assert_same(eager: Run, got: Run, rel: float = 1e-5, atol: float = 1e-6) -> 
         assert ge.keys() == gc.keys(), step
         for name in ge:
             assert torch.allclose(ge[name], gc[name], rtol=rel, atol=atol), (step, name)
-
-
-class Made:
-    """The compiled callables the backend makes (one per Dynamo graph), for the tests to look into."""
-
-    def __init__(self) -> None:
-        self.callables: list[efx.CompiledCallable] = []
-        outer = self
-
-        class Recorded(efx.CompiledCallable):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                outer.callables.append(self)
-
-        self.patch = mock.patch.object(dynamo_backend, "CompiledCallable", Recorded)
-
-    def __enter__(self) -> Made:
-        self.patch.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.patch.__exit__(*exc)
 
 
 def per_layer(kind: str) -> list[tuple]:

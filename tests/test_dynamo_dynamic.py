@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import copy
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 import effectfx as efx
-from effectfx.drivers import dynamo_backend
 from effectfx.testing import hf, recording
+from effectfx.testing.dynamo import BackendCallables as Made
+from effectfx.testing.dynamo import logged_gpt2
 
 LENGTHS = (8, 9, 11, 13)
 LAYERS = 2
@@ -26,51 +25,6 @@ LAYERS = 2
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> None:
     torch._dynamo.reset()  # (Dynamo's recompile limit per code object: every test compiles transformers')
-
-
-class Logged(nn.Module):
-    def __init__(self, layer: nn.Module, name: str) -> None:
-        super().__init__()
-        self.layer = layer
-        self.name = name
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        torch.ops.efxtest.record_memory(self.name)
-        return self.layer(hidden, *args, **kwargs)
-
-
-def gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = hf.gpt2_config()
-    config.n_layer = LAYERS
-    model = transformers.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"
-    layers = hf.layers_of(model, "gpt2")
-    for i, block in enumerate(layers):
-        layers[i] = Logged(block, f"layer{i}")
-    return model
-
-
-class Made:
-    """The compiled callables the backend makes, one per Dynamo graph."""
-
-    def __init__(self) -> None:
-        self.callables: list[efx.CompiledCallable] = []
-        outer = self
-
-        class Recorded(efx.CompiledCallable):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                outer.callables.append(self)
-
-        self.patch = mock.patch.object(dynamo_backend, "CompiledCallable", Recorded)
-
-    def __enter__(self) -> Made:
-        self.patch.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.patch.__exit__(*exc)
 
 
 def train(model: nn.Module, call: Any) -> tuple[list[float], list[dict[str, torch.Tensor]], list[tuple]]:
@@ -91,7 +45,7 @@ def train(model: nn.Module, call: Any) -> tuple[list[float], list[dict[str, torc
 
 @pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic=True", "automatic"])
 def test_gpt2_over_lengths_captures_once_per_dynamo_graph(dynamic: bool | None) -> None:
-    eager_model = gpt2()
+    eager_model = logged_gpt2(LAYERS)
     model = copy.deepcopy(eager_model)
     losses, grads, log = train(eager_model, eager_model)
     with Made() as made:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import math
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import effectfx as efx
-from effectfx.drivers import dynamo_backend
 from effectfx.testing import hf, recording
+from effectfx.testing.dynamo import BackendCallables as Made
+from effectfx.testing.dynamo import logged_gpt2
 
 STEPS = 3
 
@@ -24,18 +24,6 @@ STEPS = 3
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> None:
     torch._dynamo.reset()  # (Dynamo's recompile limit per code object)
-
-
-def made() -> tuple[list[efx.CompiledCallable], Any]:
-    """The compiled callables the backend makes (one per Dynamo graph), and the patch that records them."""
-    out: list[efx.CompiledCallable] = []
-
-    class Recorded(efx.CompiledCallable):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            out.append(self)
-
-    return out, mock.patch.object(dynamo_backend, "CompiledCallable", Recorded)
 
 
 # -- nanoGPT ------------------------------------------------------------------------------------------------
@@ -116,10 +104,9 @@ def test_nanogpt_loop() -> None:
     eager_model = GPT()
     model = copy.deepcopy(eager_model)
     losses, log = nanogpt_loop(eager_model, eager_model)
-    callables, patch = made()
-    with patch:
+    with Made() as made:
         got_losses, got_log = nanogpt_loop(model, torch.compile(model, backend="effectfx"))
-    assert [(c.stats.compiles, c.stats.calls) for c in callables] == [(1, STEPS)]
+    assert [(c.stats.compiles, c.stats.calls) for c in made.callables] == [(1, STEPS)]
     assert log == [("record_memory", f"block{i}") for i in range(2)] * STEPS
     assert got_log == log
     assert got_losses == pytest.approx(losses, rel=1e-5)
@@ -128,29 +115,6 @@ def test_nanogpt_loop() -> None:
 
 
 # -- Hugging Face Trainer -----------------------------------------------------------------------------------
-class Logged(nn.Module):
-    def __init__(self, layer: nn.Module, name: str) -> None:
-        super().__init__()
-        self.layer = layer
-        self.name = name
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        torch.ops.efxtest.record_memory(self.name)
-        return self.layer(hidden, *args, **kwargs)
-
-
-def gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = hf.gpt2_config()
-    config.n_layer = 2
-    model = transformers.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"
-    layers = hf.layers_of(model, "gpt2")
-    for i, block in enumerate(layers):
-        layers[i] = Logged(block, f"layer{i}")
-    return model
-
-
 def dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(0, hf.VOCAB, (8,), generator=g) for _ in range(n)]
@@ -179,15 +143,14 @@ def trainer_run(model: nn.Module, tmp: Any, **more: Any) -> tuple[list[float], f
 def test_hf_trainer_with_a_model_compiled_by_the_backend(tmp_path: Any) -> None:
     """``Trainer(model=torch.compile(model, backend="effectfx"))``: training and evaluation as eager's."""
     pytest.importorskip("accelerate")  # (Trainer needs it)
-    eager_model = gpt2()
+    eager_model = logged_gpt2(2)
     model = copy.deepcopy(eager_model)
     losses, eval_loss, log = trainer_run(eager_model, tmp_path / "eager")
-    callables, patch = made()
-    with patch:
+    with Made() as made:
         compiled = torch.compile(model, backend="effectfx")
         got_losses, got_eval_loss, got_log = trainer_run(compiled, tmp_path / "efx")
     # training (3 steps), evaluation (no_grad: a graph of its own, 2 batches)
-    assert [(c.stats.compiles, c.stats.calls) for c in callables] == [(1, STEPS), (1, 2)]
+    assert [(c.stats.compiles, c.stats.calls) for c in made.callables] == [(1, STEPS), (1, 2)]
     layers = [("record_memory", f"layer{i}") for i in range(2)]
     assert log == layers * (STEPS + 2)  # 3 steps, 2 evaluation batches
     assert got_log == log
@@ -200,7 +163,7 @@ def test_hf_trainer_with_a_model_compiled_by_the_backend(tmp_path: Any) -> None:
                           "enum ('EFFECTFX' is not a valid DynamoBackend)")
 def test_hf_trainer_torch_compile_backend_argument(tmp_path: Any) -> None:
     pytest.importorskip("accelerate")
-    eager_model = gpt2()
+    eager_model = logged_gpt2(2)
     losses, eval_loss, log = trainer_run(copy.deepcopy(eager_model), tmp_path / "eager")
     got = trainer_run(eager_model, tmp_path / "efx", torch_compile=True, torch_compile_backend="effectfx")
     assert got == (pytest.approx(losses, rel=1e-5), pytest.approx(eval_loss, rel=1e-5), log)
@@ -211,7 +174,7 @@ def test_hf_trainer_torch_compile_of_an_efx_compiled_model(tmp_path: Any) -> Non
     ``torch.compile`` treats effectfx's call as opaque and runs its programs; training, evaluation and
     prediction as eager's."""
     pytest.importorskip("accelerate")
-    eager_model = gpt2()
+    eager_model = logged_gpt2(2)
     compiled = efx.compile(copy.deepcopy(eager_model))
     losses, eval_loss, log = trainer_run(eager_model, tmp_path / "eager")
     got_losses, got_eval_loss, got_log = trainer_run(compiled, tmp_path / "efx", torch_compile=True)
