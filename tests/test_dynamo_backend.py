@@ -303,3 +303,48 @@ def test_torch_compile_around_a_captured_program() -> None:
         out.sum().backward()
     assert log == [("record_memory", "inner")]
     assert torch.allclose(x.grad, 2 * (2 * x).cos())
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.efxtest.log_tensor(x, "block")
+        return self.lin(x).relu()
+
+
+GOLDEN_DYNAMO = """\
+def forward(self, L_args_0, L_fn_modules_0_modules_lin_parameters_weight, L_fn_modules_0_modules_lin_parameters_bias, L_fn_modules_1_modules_lin_parameters_weight, L_fn_modules_1_modules_lin_parameters_bias):
+    _block_forward_subgraph0 = self._Block_forward_subgraph0
+    invoke_subgraph = effectfx.ops.invoke_subgraph(_block_forward_subgraph0, 'subgraph_0', L_args_0, L_fn_modules_0_modules_lin_parameters_weight, L_fn_modules_0_modules_lin_parameters_bias)
+    getitem = invoke_subgraph[0]
+    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(_block_forward_subgraph0, 'subgraph_0', getitem, L_fn_modules_1_modules_lin_parameters_weight, L_fn_modules_1_modules_lin_parameters_bias)
+    getitem_1 = invoke_subgraph_1[0]
+    return (getitem_1,)
+
+# _Block_forward_subgraph0: 'subgraph_0'
+def _Block_forward_subgraph0(self, arg0, arg1, arg2):
+    log_tensor = torch.ops.efxtest.log_tensor.default(arg0, 'block')
+    t = torch.ops.aten.t.default(arg1)
+    addmm = torch.ops.aten.addmm.default(arg2, arg0, t)
+    relu = torch.ops.aten.relu.default(addmm)
+    return (relu,)"""  # noqa: E501 (graph text as printed)
+
+
+def test_golden_dynamo_s_nested_compile_regions_are_one_body() -> None:
+    """Dynamo's graph, as effectfx's program: each ``nested_compile_region`` call an ``invoke_subgraph`` of
+    one body, the effect inside it; outputs and the effect log as eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    x = torch.randn(2, 3)
+    with torch.no_grad(), recording() as want:
+        expected = model(x)
+    with Made() as made, torch.no_grad(), recording() as got:
+        out = torch.compile(model, backend="effectfx")(x)
+    torch.testing.assert_close(out, expected)
+    assert [e[:2] for e in got] == [e[:2] for e in want] == [("log_tensor", "block")] * 2
+    (program,) = made.callables[0].programs()
+    assert program.code() == GOLDEN_DYNAMO

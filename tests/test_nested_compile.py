@@ -178,3 +178,57 @@ def test_what_an_inlined_module_reads_is_guarded_by_the_outer_program() -> None:
     model.eval()
     torch.testing.assert_close(compiled(x), model.b(model.a.original(x)))
     assert compiled.stats.compiles == 3 and model.a.stats.compiles == 0
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    @efx.region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.efxtest.record_memory("block")
+        return self.lin(x).relu()
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = efx.compile(_Block()), _Block()  # a library's compiled block beside a plain one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+GOLDEN_INLINED = """\
+def forward(self, x, a_lin_weight, a_lin_bias, b_lin_weight, b_lin_bias):
+    _block_forward_subgraph0 = self._Block_forward_subgraph0
+    invoke_subgraph = effectfx.ops.invoke_subgraph(_block_forward_subgraph0, 'subgraph_0', x, a_lin_weight, a_lin_bias)
+    getitem = invoke_subgraph[0]
+    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(_block_forward_subgraph0, 'subgraph_0', getitem, b_lin_weight, b_lin_bias)
+    getitem_1 = invoke_subgraph_1[0]
+    return (getitem_1,)
+
+# _Block_forward_subgraph0: 'subgraph_0'
+def _Block_forward_subgraph0(self, x, lin_weight, lin_bias):
+    record_memory = torch.ops.efxtest.record_memory.default('block')
+    t = torch.ops.aten.t.default(lin_weight)
+    addmm = torch.ops.aten.addmm.default(lin_bias, x, t)
+    relu = torch.ops.aten.relu.default(addmm)
+    return (relu,)"""  # noqa: E501 (graph text as printed)
+
+
+def test_golden_a_compiled_block_is_inlined_as_a_region() -> None:
+    """The compiled block and the plain one are two calls of one body in the outer program."""
+    torch.manual_seed(0)
+    model = _Two()
+    eager_a, eager_b = _Block(), copy.deepcopy(model.b)
+    eager_a.load_state_dict(model.a.state_dict())
+    compiled = efx.compile(model)
+    x = torch.ones(2, 3)
+    with torch.no_grad(), recording() as got:
+        out = compiled(x)
+    with torch.no_grad(), recording() as want:
+        torch.testing.assert_close(out, eager_b(eager_a(x)))
+    assert got == want == [("record_memory", "block")] * 2
+    assert compiled.programs()[-1].code() == GOLDEN_INLINED

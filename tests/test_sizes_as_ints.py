@@ -107,3 +107,30 @@ def test_text_of_size_arithmetic_prints_as_eager(capsys: pytest.CaptureFixture[s
         got = capsys.readouterr().out
         f(torch.randn(n))
         assert got == capsys.readouterr().out == f"{n} rows, {n / 2:.1f} halves, {math.sqrt(n):.3f}\n"
+
+
+GOLDEN_SIZES = """\
+def forward(self, x):
+    sym_size_int = torch.ops.aten.sym_size.int(x, 0)
+    floordiv = sym_size_int // 2
+    view = torch.ops.aten.view.default(x, [floordiv, -1])
+    truediv = sym_size_int / 2
+    mul = torch.ops.aten.mul.Tensor(view, truediv)
+    return (mul,)"""
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    n = x.size(0)
+    assert isinstance(n, int)  # (a symbolic size is an int to the user's code)
+    return x.reshape(n // 2, -1) * (n / 2)
+
+
+def test_golden_size_arithmetic_stays_in_the_graph() -> None:
+    """``//`` and ``/`` of a symbolic size are graph nodes, not a baked-in value: one program serves every
+    even size, with eager's values."""
+    compiled = efx.compile(_halves, dynamic=True)
+    for n in (4, 6, 8):
+        x = torch.arange(float(n * 3)).reshape(n, 3)
+        torch.testing.assert_close(compiled(x), _halves(x))
+    assert compiled.stats.compiles == 1
+    assert compiled.programs()[-1].code() == GOLDEN_SIZES
