@@ -180,7 +180,7 @@ def test_what_an_inlined_module_reads_is_guarded_by_the_outer_program() -> None:
     assert compiled.stats.compiles == 3 and model.a.stats.compiles == 0
 
 
-class _Block(nn.Module):
+class _LoggedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
@@ -194,7 +194,8 @@ class _Block(nn.Module):
 class _Two(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = efx.compile(_Block()), _Block()  # a library's compiled block beside a plain one
+        # a library's compiled block beside a plain one
+        self.a, self.b = efx.compile(_LoggedBlock()), _LoggedBlock()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(x))
@@ -202,15 +203,15 @@ class _Two(nn.Module):
 
 GOLDEN_INLINED = """\
 def forward(self, x, a_lin_weight, a_lin_bias, b_lin_weight, b_lin_bias):
-    _block_forward_subgraph0 = self._Block_forward_subgraph0
-    invoke_subgraph = effectfx.ops.invoke_subgraph(_block_forward_subgraph0, 'subgraph_0', x, a_lin_weight, a_lin_bias)
+    _logged_block_forward_subgraph0 = self._LoggedBlock_forward_subgraph0
+    invoke_subgraph = effectfx.ops.invoke_subgraph(_logged_block_forward_subgraph0, 'subgraph_0', x, a_lin_weight, a_lin_bias)
     getitem = invoke_subgraph[0]
-    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(_block_forward_subgraph0, 'subgraph_0', getitem, b_lin_weight, b_lin_bias)
+    invoke_subgraph_1 = effectfx.ops.invoke_subgraph(_logged_block_forward_subgraph0, 'subgraph_0', getitem, b_lin_weight, b_lin_bias)
     getitem_1 = invoke_subgraph_1[0]
     return (getitem_1,)
 
-# _Block_forward_subgraph0: 'subgraph_0'
-def _Block_forward_subgraph0(self, x, lin_weight, lin_bias):
+# _LoggedBlock_forward_subgraph0: 'subgraph_0'
+def _LoggedBlock_forward_subgraph0(self, x, lin_weight, lin_bias):
     record_memory = torch.ops.efxtest.record_memory.default('block')
     t = torch.ops.aten.t.default(lin_weight)
     addmm = torch.ops.aten.addmm.default(lin_bias, x, t)
@@ -222,7 +223,7 @@ def test_golden_a_compiled_block_is_inlined_as_a_region() -> None:
     """The compiled block and the plain one are two calls of one body in the outer program."""
     torch.manual_seed(0)
     model = _Two()
-    eager_a, eager_b = _Block(), copy.deepcopy(model.b)
+    eager_a, eager_b = _LoggedBlock(), copy.deepcopy(model.b)
     eager_a.load_state_dict(model.a.state_dict())
     compiled = efx.compile(model)
     x = torch.ones(2, 3)
