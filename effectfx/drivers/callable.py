@@ -111,7 +111,8 @@ class CompiledCallable:
         self.profile_regions = profile_regions
         self.dynamic = dynamic
         self.tiers = tiers_for(backend, tiers)
-        self.cache: dict[Any, list[CompiledEntry]] = {}
+        self.cache: dict[Any, list[CompiledEntry]] = {}  # signature -> its programs, in compile order
+        self._last: dict[Any, CompiledEntry] = {}  # signature -> the program that served it last
         self.shapes = ShapeCache(dynamic)  # the same programs by signature without sizes
         self.stats = CompileStats()
         self._lock = threading.Lock()
@@ -142,6 +143,7 @@ class CompiledCallable:
         if self._walked and not all(d.get(n) is c for d, n, c in self._children):
             with self._lock:
                 self.cache.clear()
+                self._last.clear()
                 self.shapes.clear()
                 self._walked, self._slots = False, {}
         if not self._walked:  # walking the module tree on every call would cost more than eager
@@ -191,11 +193,22 @@ class CompiledCallable:
         return (ambient(), spec, *parts, self._python_state(), same_tensors(leaves)), leaves
 
     def _find(self, key: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
-        found = self._usable(self.cache.get(key, ()))
-        memo = self.shapes.memo
-        return found if found is not None or not memo else self._usable(memo.get(key, ()))
+        """The program that served ``key`` last is checked first: a training step's first program (no
+        optimizer state yet) fails from its second call on, and a failing program's guards stay interpreted
+        (``guards.check.GuardChecker``): checked first, they would cost GPT-2's step ~7 ms a call."""
+        last = self._last.get(key)
+        found = self._usable((last,)) if last is not None else None
+        if found is None:
+            found = self._usable(e for e in self.cache.get(key, ()) if e is not last)
+            memo = self.shapes.memo
+            if found is None and memo:
+                found = self._usable(e for e in memo.get(key, ()) if e is not last)
+            if found is not None:
+                self._last[key] = found[0]
+        return found
 
-    def _usable(self, entries: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
+    @staticmethod
+    def _usable(entries: Any) -> tuple[CompiledEntry, list[torch.Tensor]] | None:
         for entry in entries:
             if entry.check():
                 lifted = entry.current_lifted()
@@ -245,6 +258,7 @@ class CompiledCallable:
                         entry.why = (*entry.why, "float inputs: " + ", ".join(
                             entry.float_names.get(p) or path_text(p, (), names) for p in entry.float_paths))
                     self.cache.setdefault(key, []).append(entry)
+                    self._last[key] = entry
                     self.shapes.add(group, entry)
                     return entry, leaves, list(entry.forward.lifted)
         if vmap and isinstance(found[0].program, TrainingProgram):
