@@ -59,7 +59,8 @@ LOAD_AT_START = list(os.getloadavg())
 NAME = "inductor"
 FIRST_CALL = ("efx", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")  # efx_hop too with --hop
 WARM = ("efx", "tc", "tc_pure")  # also measured in a second process on the cache the first filled
-STEADY = ("eager", "eager_pure", "efx", "efx_pure", "efx_twin", "tc", "tc_ncr", "tc_pure", "tc_ncr_pure")
+STEADY = ("eager", "eager_pure", "efx", "efx_pure", "efx_twin", "efx_t2", "tc", "tc_ncr", "tc_pure",
+          "tc_ncr_pure")
 MODES = ("training", "inference")
 # the 12-layer models' first calls: 2 repetitions (the stack's 3), for a full run of about an hour
 # steady state: 3 processes per configuration, each building and compiling every system anew (two builds of

@@ -17,6 +17,7 @@ STEP_TAGS = ("stack/16", *HF_TAGS)
 FIRST_LIMITS = {"tc_ncr": 0.8, "tc": 0.5}
 WARM_LIMIT_S = 1.0
 STEP_LIMITS = {"tc": 1.0, "eager": 0.95}
+T2_LIMIT = 0.97  # tier 2's steady steps against torch.compile's (benchmarks/README.md, "Tiered compilation")
 
 
 def _step_used(ms: dict[str, float], other: str) -> str:
@@ -95,18 +96,19 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         procs, steps = processes(st), merged(st)
         for mode in MODES:
             ms = steps["step_ms"][mode]
-            for other in ("eager", "tc", "tc_ncr", "efx_hop"):
+            for mine, other in [*(("efx", o) for o in ("eager", "tc", "tc_ncr", "efx_hop")),
+                                ("efx_t2", "tc"), ("efx_t2", "efx")]:
                 used = _step_used(ms, other)
-                if used not in ms:
+                if used not in ms or mine not in ms:
                     continue
                 # each process's ratio of medians, then their median: a process's build is one draw of
                 # what two builds of one system differ by (memory layout), which rounds cannot average out
-                walls, cpus = (_per_process(procs, f, mode, "efx", used) for f in ("step_ms", "step_cpu_ms"))
+                walls, cpus = (_per_process(procs, f, mode, mine, used) for f in ("step_ms", "step_cpu_ms"))
                 s[f"{mode}_{other}_used"] = used
-                s[f"{mode}_efx_over_{other}"] = median(walls) if walls else None
-                s[f"{mode}_efx_over_{other}_cpu"] = median(cpus) if cpus else None
-                s[f"{mode}_efx_over_{other}_processes"] = walls
-                s[f"{mode}_efx_over_{other}_paired"] = _pooled(procs, mode, "efx", used)
+                s[f"{mode}_{mine}_over_{other}"] = median(walls) if walls else None
+                s[f"{mode}_{mine}_over_{other}_cpu"] = median(cpus) if cpus else None
+                s[f"{mode}_{mine}_over_{other}_processes"] = walls
+                s[f"{mode}_{mine}_over_{other}_paired"] = _pooled(procs, mode, mine, used)
             s[f"{mode}_twin"] = _pooled(procs, mode, "efx_twin", "efx")
             s[f"{mode}_tc_over_eager"] = ratio(ms.get(s.get(f"{mode}_tc_used", "")), ms.get("eager"))
         out[tag] = s
@@ -153,14 +155,23 @@ def targets(data: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
                                    s[tag].get(f"{mode}_efx_over_{other}_cpu"), limit,
                                    s[tag].get(f"{mode}_efx_over_{other}_paired"), s[tag].get(f"{mode}_twin"),
                                    s[tag].get(f"{mode}_efx_over_{other}_processes")))
+    for mode in MODES:  # (d): tier 2's steady steps
+        for tag in (t for t in STEP_TAGS if t in s and f"{mode}_efx_t2_over_tc" in s[t]):
+            used = s[tag].get(f"{mode}_tc_used", "tc")
+            out.append(_target(f"(d) {tag} {mode} step efx tier 2 / {used}", s[tag][f"{mode}_efx_t2_over_tc"],
+                               s[tag].get(f"{mode}_efx_t2_over_tc_cpu"), T2_LIMIT,
+                               s[tag].get(f"{mode}_efx_t2_over_tc_paired"), s[tag].get(f"{mode}_twin"),
+                               s[tag].get(f"{mode}_efx_t2_over_tc_processes")))
     for tag, st in data["steady_state"].items():  # (c): every effectfx call exact and close to eager
         runs = [r for r in data["first_call"].get(f"{tag}/efx/fresh", []) + data["first_call"].get(
             f"{tag}/efx/warm", []) if r.get("status") == "ok"]
         checks = [c.get("efx") for mode in MODES for c in merged(st)["checks"][mode]]
+        checks += [c["efx_t2"] for mode in MODES for c in merged(st)["checks"][mode] if "efx_t2" in c]
         diffs = [r["max_rel_diff"] for r in runs] + [c["max_rel_diff"] for c in checks if c]
         exact = (bool(runs) and all(r["ok"] and r["effects"] == r["effects_expected"] for r in runs)
                  and all(c and c["ok"] and c["effects"] == c["effects_expected"] for c in checks))
-        out.append({"target": f"(c) {tag} efx effects exact, outputs/gradients within 1e-3 of eager",
+        out.append({"target": f"(c) {tag} efx effects exact (tiers 1, 2), outputs/gradients within "
+                              "1e-3 of eager",
                     "value": max(diffs, default=None), "value_cpu": None, "limit": 1e-3, "met": exact,
                     "met_cpu": None})
     return out

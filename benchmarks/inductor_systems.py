@@ -20,7 +20,10 @@ alternative the backend was chosen against; ``tc`` = ``torch.compile(model,
 backend="inductor")`` on plain blocks; ``tc_ncr`` = the same with ``torch.compiler.nested_compile_region``
 blocks; ``*_pure``: the same model without the effect op (torch.compile fails on some effectful
 configurations; its effect-free run then stands in, marked ``*``); ``efx_twin`` = ``efx`` again, its own
-module compiled apart (steady state only): how far two identical systems differ in one run.  Blocks are
+module compiled apart (steady state only): how far two identical systems differ in one run; ``efx_t2`` =
+``efx.compile(model, backend="inductor", tiers="at-once")`` (steady state only): tier 2 -- regions inlined,
+the whole forward and backward lowered together (:mod:`effectfx.backends.tiers`) -- the program the default
+tiers switch to once the step is the steady state.  Blocks are
 marked once per system (one class per marker and effect).
 """
 
@@ -48,6 +51,7 @@ SYSTEMS: dict[str, tuple[str, str, bool]] = {
     "efx_hop": ("efx_hop", "efx", True),
     "efx_pure": ("efx", "efx", False),
     "efx_twin": ("efx", "efx", True),  # efx again, built and compiled apart: how far identical twins differ
+    "efx_t2": ("efx_t2", "efx", True),  # tier 2 (steady state only)
     "tc": ("tc", "eager", True),
     "tc_ncr": ("tc", "tc", True),
     "tc_pure": ("tc", "eager", False),  # torch.compile fails on some effectful configurations (results)
@@ -146,6 +150,8 @@ def compiled(system: str, module: torch.nn.Module) -> Callable[..., Any]:
         return module
     if how == "efx":  # tier 1 only: a tier 2 switched in during the steady rounds would mix two steps
         return efx.compile(module, backend="inductor", tiers="tier1")
+    if how == "efx_t2":  # tier 2 from the first call: the steady state the default switches to
+        return efx.compile(module, backend="inductor", tiers="at-once")
     if how == "efx_hop":
         return efx.compile(module, backend="inductor_hop")
     return torch.compile(module, backend="inductor")

@@ -46,6 +46,7 @@ from benchmarks.tiers_systems import (  # noqa: E402
     FALLBACK,
     SEQ,
     SYSTEMS,
+    WARM,
     System,
     batches,
     jsonable,
@@ -55,7 +56,7 @@ from benchmarks.tiers_systems import (  # noqa: E402
 LOAD_AT_START = list(os.getloadavg())
 NAME = "tiers"
 FULL = {"layers": 12, "steps": 300, "steady_steps": 50, "systems": ("eager", "efx_tier1", "efx_tiered",
-                                                                    "efx_at_once", "tc")}
+                                                                    "efx_tiered_warm", "efx_at_once", "tc")}
 QUICK = {"layers": 2, "steps": 30, "steady_steps": 10, "systems": ("eager", "efx_tier1", "efx_at_once")}
 
 
@@ -129,6 +130,7 @@ def run(quick: bool, layers: int | None, steps: int | None, systems: list[str] |
     bar = common.Progress(len(chosen), NAME, enabled=progress)
     started = time.time()
     runs: dict[str, dict[str, Any]] = {}
+    caches: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="efx-tiers-bench-") as tmp:
         for system in chosen:
             for name in (system, FALLBACK.get(system)):
@@ -136,7 +138,12 @@ def run(quick: bool, layers: int | None, steps: int | None, systems: list[str] |
                     continue
                 spec = {"system": name, "layers": cfg["layers"], "steps": cfg["steps"],
                         "steady_steps": cfg["steady_steps"], "threads": threads}
-                runs[name] = common_child.run(__file__, spec, tempfile.mkdtemp(dir=tmp))  # a fresh cache
+                if name in WARM and WARM[name] not in caches:
+                    runs[name] = {"status": f"not run: needs {WARM[name]}'s run first"}
+                    break
+                # a fresh cache, or (warm) the one WARM's system filled
+                caches[name] = caches[WARM[name]] if name in WARM else tempfile.mkdtemp(dir=tmp)
+                runs[name] = common_child.run(__file__, spec, caches[name])
                 if runs[name].get("status") == "ok" or name not in FALLBACK:
                     break
             bar.step(f"{system}: {runs[name].get('status', '?')[:60]}")

@@ -13,6 +13,8 @@ Systems (each builds its own model and AdamW from the same seed):
 * ``efx_tiered``: the same with the default tiers ("background": tier 2 built in a thread once a program
   served 10 calls, switched at a call boundary);
 * ``efx_at_once``: ``tiers="at-once"``: tier 2 compiled in the calling thread at each program's first call;
+* ``efx_tiered_warm``: ``efx_tiered`` again in a new process on the Inductor cache ``efx_tiered``'s run
+  filled: its first step loads tier 1's artifacts, its second program starts in tier 2;
 * ``tc``: ``torch.compile(step)`` (Inductor) of the effectful step; ``tc_pure``: the same of the model built
   with ``logged=False`` and the step without effect ops, run instead when ``tc`` fails (torch.compile of the
   effectful model fails in this torch: ``effectfx.backends.tiers``).  Of the whole step (2 layers) ``tc`` ran
@@ -36,6 +38,7 @@ SYSTEMS: dict[str, tuple[str, str | None, bool]] = {
     "efx_tier1": ("efx", "tier1", True),
     "efx_tiered": ("efx", "background", True),
     "efx_at_once": ("efx", "at-once", True),
+    "efx_tiered_warm": ("efx", "background", True),
     "tc": ("tc", None, True),
     "tc_pure": ("tc", None, False),
 }
@@ -44,10 +47,12 @@ LABELS = {
     "efx_tier1": 'efx tier 1 (tiers="tier1")',
     "efx_tiered": "efx tiered (background, default)",
     "efx_at_once": 'efx tier 2 at once (tiers="at-once")',
+    "efx_tiered_warm": "efx tiered, a second process (warm cache)",
     "tc": "torch.compile (inductor)",
     "tc_pure": "torch.compile (inductor), no effects",
 }
 FALLBACK = {"tc": "tc_pure"}  # run instead when the system fails
+WARM = {"efx_tiered_warm": "efx_tiered"}  # runs in a new process on the cache that system's run filled
 LOSS_RTOL = 1e-3  # a loss (and a log_tensor fingerprint) against eager's same step
 
 

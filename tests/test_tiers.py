@@ -161,7 +161,7 @@ def test_at_once_switches_at_a_call_boundary_and_a_warm_process_starts_in_tier_2
     for half in (prog.forward, prog.backward):  # the whole half: one segment, no region left
         assert not any(n.target is ops.invoke_subgraph for n in half.graph_module.graph.nodes)
     assert len(segments(prog)) == 2 and all(s.compiled is not None for s in segments(prog))
-    assert all(dict(cache.options_of(s.source)) == {"cpp_wrapper": True} for s in segments(prog))
+    assert all(dict(cache.options_of(s.source)) == {} for s in segments(prog))  # Python's wrapper
     assert "runs tier 2 (regions inlined) since call 3" in str(efx.explain(compiled))
 
     # a forward run under tier 1, its backward after the switch: tier 1's backward, eager's gradient
@@ -217,12 +217,22 @@ def test_background_switches_at_a_call_boundary(monkeypatch: pytest.MonkeyPatch)
     assert state.tier == 2 and state.switched_call == 4
 
 
+def test_the_cpp_wrapper_is_an_option() -> None:
+    x = torch.randn(3, requires_grad=True)
+    want = _call(nested, x)
+    compiled = efx.compile(nested, backend="inductor", tiers=efx.Tiers("at-once", cpp_wrapper=True))
+    _same("call 1", _call(compiled, x), want)
+    (prog,) = compiled.programs()
+    assert tiers_of(compiled).tier == 2
+    assert all(dict(cache.options_of(s.source)) == {"cpp_wrapper": True} for s in segments(prog))
+
+
 def test_modes() -> None:
     assert efx.compile(nested, backend="inductor", tiers="tier1").tiers is None
     assert efx.compile(nested).tiers is None  # the default backend has one tier
     assert efx.compile(nested, backend="inductor").tiers == efx.Tiers("background")
     assert efx.Tiers("background").threshold == 10 and efx.Tiers("at-once").threshold == 0
-    assert efx.Tiers().cpp_wrapper  # tier 2 runs Inductor's C++ wrapper
+    assert not efx.Tiers().cpp_wrapper  # Python's wrapper: a whole step's C++ wrapper compiles for minutes
     with pytest.raises(BackendError, match="tiers mode"):
         efx.compile(nested, backend="inductor", tiers="sometimes")
     with pytest.raises(BackendError, match="number of calls"):

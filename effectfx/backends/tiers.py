@@ -87,7 +87,7 @@ class Tiers:
 
     mode: str = "background"
     after: int | None = None
-    cpp_wrapper: bool = True  # Inductor's C++ wrapper for tier 2 (module docstring)
+    cpp_wrapper: bool = False  # Inductor's C++ wrapper for tier 2 (module docstring)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
