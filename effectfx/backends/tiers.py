@@ -12,7 +12,7 @@ The switch.  A program's :class:`TierState` counts the calls it serves.  Once it
 the calling thread (``mode="at-once"``: the slow call, for servers and benchmarks; ``after`` 0 by default,
 the first call).  The calling thread alone swaps the program, at the start of a call (:meth:`TierState.
 program`): a call runs one tier from start to end, and the backward of a forward run under tier 1 runs
-tier 1's backward (the autograd node holds the program it ran: ``program.program._RunTraining``).  Both
+tier 1's backward (the autograd node holds the program it ran: ``program.training._RunTraining``).  Both
 tiers have one calling convention (same inputs, same outputs, same saved values), so the call that
 switches and every later one give tier 1's results within Inductor's tolerance, and the same effect log.
 A backward of some outputs only (Note [Partial backward]) runs tier 1's partial backward on tier 2's saved
@@ -67,7 +67,8 @@ from typing import Any
 from ..errors import BackendError
 from ..graph.walk import nested_graphs
 from ..passes.pipeline import run_passes
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
+from ..program.training import TrainingProgram
 from . import progress
 from .inline import inline_regions
 
