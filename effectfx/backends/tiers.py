@@ -19,14 +19,15 @@ A backward of some outputs only (Note [Partial backward]) runs tier 1's partial 
 values (:class:`Tier2Training`).  A tier 2 that fails to build, or whose segments Inductor could not all
 compile, is not used: the program stays in tier 1, and ``efx.explain`` says why.
 
-Tier 2's segments run by Inductor's C++ wrapper (``cpp_wrapper``: the code that allocates buffers and
-calls the kernels is compiled C++, not Python), a longer compile that tier 2 pays once, off the first call.
-Steady training step against torch.compile (inductor) of the same model without the effect op (torch.compile
-of the effectful one fails in this torch), interleaved in one process, GPT-2 hidden 64, ids (4, 32), one
-intra-op thread: 12 layers -- tier 1 1.07x, tier 2 0.99x with Python's wrapper, 0.92x with C++'s (tier 2's
-cold compile 111 s with it); 4 layers -- 1.09x, 0.95x, 0.88x.  ``efx.Tiers(cpp_wrapper=False)`` keeps
-Python's wrapper, as a segment with symbolic sizes does (its C++ wrapper's guards name Inductor's own
-symbols: ``inductor._Lowering.segment``).
+Tier 2's segments run by Inductor's Python wrapper (the code that allocates buffers and calls the kernels).
+``efx.Tiers(cpp_wrapper=True)`` compiles that code as C++ instead: a little faster to run on small models
+(GPT-2 hidden 64, 12 layers, forward and backward against torch.compile: 0.92x with it, 0.99x without), but
+g++'s build grows with the program.  GPT-2's whole training step with AdamW (12 layers, one segment of about
+5,900 nodes) built in 191 s with it against 59 s without on an idle machine, and in 806 s on a loaded one
+(``benchmarks/tiers.py``), longer than the 300 steps it was to speed up.  With Python's wrapper that step's
+tier 2 ran 0.905x torch.compile's (15.8 against 17.4 ms, interleaved, one thread), so the C++ wrapper is
+opt-in.  A segment with symbolic sizes keeps Python's wrapper either way (its C++ wrapper's guards name
+Inductor's own symbols: ``inductor._Lowering.segment``).
 
 Effects in tier 2 stay Python nodes, in program order, between Inductor segments -- not fallback calls
 inside Inductor's graph ordered by tokens.  The lowering already moves pure work across effects that only
@@ -84,7 +85,8 @@ class Tiers:
     """How ``efx.compile(..., backend="inductor", tiers=...)`` tiers its programs: ``mode`` "tier1" (only
     tier 1), "background" (tier 2 compiled in a thread once a program served ``after`` calls, default 10)
     or "at-once" (tier 2 compiled in the calling thread once it served ``after`` calls, default 0);
-    ``cpp_wrapper``: tier 2's segments run by Inductor's C++ wrapper (slower to compile, faster to run)."""
+    ``cpp_wrapper``: tier 2's segments run by Inductor's C++ wrapper (minutes longer to compile a whole
+    training step, a little faster to run; off by default: module docstring)."""
 
     mode: str = "background"
     after: int | None = None
