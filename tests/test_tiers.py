@@ -185,6 +185,19 @@ def test_at_once_switches_at_a_call_boundary_and_a_warm_process_starts_in_tier_2
     assert state.tier == 2 and state.switched_call == 1 and state.outcomes == {"loaded": 2}
 
 
+def test_a_warm_start_does_not_build_a_tier_2_no_process_saved(tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run too short to build tier 2 (Note [When tier 2 pays]) leaves no tier 2 for the next process: its
+    first call finds no marker and does not build tier 2 only to learn that nothing is saved."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(3, requires_grad=True)
+    want = _call(nested, x)
+    compiled = efx.compile(nested, backend="inductor")
+    _same("call 1", _call(compiled, x), want)
+    state = tiers_of(compiled)
+    assert state.tier == 1 and state._tier2 is None and state.started_call is None
+
+
 def two_outputs(x):
     y = outer(x)
     return y.sum(), y * 2

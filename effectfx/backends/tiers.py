@@ -284,11 +284,22 @@ class TierState:
         progress.LOGGER.info("%r: tier 2 started at call %d (%s)", self.tier1_name, self.calls,
                              self.spec.mode)
 
+    def _mark(self) -> Any:
+        """The marker an earlier process left when it saved this program's tier 2 (named by tier 1's
+        segments and the build's options): without it, a warm start need not build tier 2 to look."""
+        from .inductor_cache import mark_path
+
+        return mark_path([(s.source, s.inputs) for s in segments(self.tier1)],
+                         f"tier2{'-cpp' if self.spec.cpp_wrapper else ''}")
+
     def _warm(self) -> bool:
-        """Whether every tier-2 segment is saved (a warm process): builds tier 2 to find out."""
+        """Whether every tier-2 segment is saved (a warm process): builds tier 2 to find out, where an
+        earlier process marked it saved (a program that never built its tier 2 costs no build)."""
         from .inductor_cache import is_cached
 
         try:
+            if not self._mark().exists():
+                return False
             self._tier2 = self._tier2 or build_tier2(self.token_free, self.tier1, self.spec)
             return all(is_cached(s.source, s.inputs, s.hints) for s in segments(self._tier2))
         except Exception:  # noqa: BLE001 -- the build says why, when it runs
@@ -313,6 +324,7 @@ class TierState:
                 self.error = f"{len(fell)} segment(s) fell back ({fell[0].why}): tier 1 is faster"
             else:
                 self._ready = prog
+                self._save_mark()
         except Exception as e:  # noqa: BLE001 -- tier 2 is an optimization: any failure keeps tier 1
             self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         finally:
@@ -322,6 +334,14 @@ class TierState:
             progress.LOGGER.info("%r: tier 2 %s in %.2f s (%.2f s CPU)", self.tier1_name,
                                  "ready" if self._ready is not None else f"not used: {self.error}",
                                  self.wall_seconds, self.cpu_seconds)
+
+    def _save_mark(self) -> None:
+        try:
+            mark = self._mark()
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError:  # a read-only cache: the next process builds tier 2 to look, as before
+            pass
 
     def describe(self) -> str:
         """What ``efx.explain`` says of the program's tiers."""
