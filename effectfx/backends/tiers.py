@@ -103,7 +103,7 @@ atexit.register(_STOP.set)
 class Tiers:
     """How ``efx.compile(..., backend="inductor", tiers=...)`` tiers its programs: ``mode`` "tier1" (only
     tier 1), "background" (tier 2 compiled in a thread once a program served ``after`` calls; by default,
-    once it served 10 calls and its calls since the 10th took as long as tier 1's compiles of it: Note
+    once it served 10 calls and its calls since the 11th took as long as tier 1's compiles of it: Note
     [When tier 2 pays]) or "at-once" (tier 2 compiled in the calling thread once it served ``after`` calls,
     default 0);
     ``cpp_wrapper``: tier 2's segments run by Inductor's C++ wrapper (minutes longer to compile a whole
