@@ -179,6 +179,21 @@ def interleave(steps: dict[Key, Callable[[], Any]], budget_s: float, min_rounds:
     return wall, cpu, rounds, calls
 
 
+def run_steps(step: Callable[[Any], tuple[float, list]], data: list[Any]) -> tuple[list[float], list[list]]:
+    """``step(batch) -> (loss, effect log)`` on every batch: the losses and the logs, in order."""
+    losses, logs = [], []
+    for batch in data:
+        loss, log = step(batch)
+        losses.append(loss)
+        logs.append(log)
+    return losses, logs
+
+
+def sci(v: float | None) -> str:
+    """A difference for a table: ``1.2e-07``, or ``-`` where there is none."""
+    return "-" if v is None else f"{v:.1e}"
+
+
 # -- the compilers ----------------------------------------------------------------------------------
 def dynamo_counts() -> dict[str, int]:
     """torch.compile's counters in this process: frames, graphs installed (a compile or a recompile each),

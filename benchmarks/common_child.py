@@ -4,10 +4,12 @@ after the one-time costs every process pays alike; its CPU time counts Inductor'
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,27 @@ def tree_cpu_s() -> float:
     for pid in mine - {os.getpid()}:
         total += sum(int(v) for v in stats[pid][11:15]) / tick  # utime stime cutime cstime
     return total
+
+
+def timed_first_calls(step: Any, data: list[Any], cpu_clock: Any
+                      ) -> tuple[list[dict[str, Any]], list[float], list[list], str | None]:
+    """``step(batch) -> (loss, effect log)`` on each batch, each call timed apart (wall, and ``cpu_clock``'s
+    CPU) after a ``gc.collect()``, with ``step.captures()`` after it: the timed calls, losses, logs, and the
+    error text of a call that raised, which ends the calls (a system failing is a result, reported so)."""
+
+    timed: list[dict[str, Any]] = []
+    losses: list[float] = []
+    logs: list[list] = []
+    for batch in data:
+        gc.collect()
+        cpu, wall = cpu_clock(), time.perf_counter()
+        try:
+            loss, log = step(batch)
+        except Exception as e:  # noqa: BLE001
+            return timed, losses, logs, common.error_text(e)
+        wall, cpu = time.perf_counter() - wall, cpu_clock() - cpu
+        timed.append({"wall_s": wall, "cpu_s": cpu, "captures": step.captures(), "effects": len(log)})
+        losses.append(loss)
+        logs.append(log)
+    return timed, losses, logs, None
+

@@ -30,7 +30,6 @@ Inductor system, well under a minute).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -55,7 +54,6 @@ from benchmarks.dynamo_backend_systems import (  # noqa: E402
     System,
     batches,
     compare,
-    run_steps,
     state_of,
     uses_inductor,
 )
@@ -77,7 +75,7 @@ def warm_up(inductor: bool, size: int) -> float:
     torch.compile(lambda a: torch.cos(a) * 3, backend="eager")(x).sum().backward()
     efx.compile(lambda a: torch.sin(a) * 2)(x).sum().backward()
     throwaway = System("eager", layers=1, seed=1)
-    run_steps(throwaway, batches(2, size))
+    common.run_steps(throwaway, batches(2, size))
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -94,20 +92,11 @@ def first_calls(system: str, calls: int, size: int, layers: int, threads: int) -
     cpu_clock = common_child.tree_cpu_s if uses_inductor(system) else time.process_time
     data = batches(calls, size)
     s = System(system, layers)
-    timed, losses, logs = [], [], []
-    for batch in data:
-        gc.collect()
-        cpu, wall = cpu_clock(), time.perf_counter()
-        try:
-            loss, log = s(batch)
-        except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
-            return {"status": common.error_text(e), "warmup_s": warmup_s, "calls": timed}
-        wall, cpu = time.perf_counter() - wall, cpu_clock() - cpu
-        timed.append({"wall_s": wall, "cpu_s": cpu, "captures": s.captures(), "effects": len(log)})
-        losses.append(loss)
-        logs.append(log)
+    timed, losses, logs, error = common_child.timed_first_calls(s, data, cpu_clock)
+    if error is not None:
+        return {"status": error, "warmup_s": warmup_s, "calls": timed}
     ref = System("eager", layers)
-    want_losses, want_logs = run_steps(ref, data)
+    want_losses, want_logs = common.run_steps(ref, data)
     return {"status": "ok", "warmup_s": warmup_s,
             "cpu_clock": "process tree" if uses_inductor(system) else "process",
             "calls": timed, "captures": timed[-1]["captures"], "graphs": s.graphs(),
@@ -121,7 +110,7 @@ def steady_state(systems: list[str], check_steps: int, size: int, layers: int, t
     torch.set_num_threads(threads)
     data = batches(check_steps, size)
     ref = System("eager", layers)
-    want_losses, want_logs = run_steps(ref, data)
+    want_losses, want_logs = common.run_steps(ref, data)
     want = state_of(ref)
     status: dict[str, str] = {}
     checks: dict[str, dict[str, Any]] = {}
@@ -130,7 +119,7 @@ def steady_state(systems: list[str], check_steps: int, size: int, layers: int, t
         start = time.perf_counter()
         try:
             s = System(system, layers)
-            losses, logs = run_steps(s, data)
+            losses, logs = common.run_steps(s, data)
         except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
             status[system] = common.error_text(e)
             continue

@@ -79,10 +79,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return {"systems": out, "targets": targets}
 
 
-def _e(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1e}"
-
-
 def table(data: dict[str, Any]) -> str:
     summary = data["summary"]["systems"]
     rows = []
@@ -94,7 +90,7 @@ def table(data: dict[str, Any]) -> str:
             f"{fmt(s['step_ms'], '', 2)} / {fmt(s['step_cpu_ms'], '', 2)}",
             fmt(s["over_eager"], "x"), fmt(s["first_over_tc_aot_eager"], "x"),
             f"{s['effects_kept']} of {s['eager_effects']}" + ("" if s["effects_equal_eager"] else " DIFFER"),
-            _e(s["max_loss_diff"]), _e(s["max_param_diff"]), (s["failure"] or "")[:60]])
+            common.sci(s["max_loss_diff"]), common.sci(s["max_param_diff"]), (s["failure"] or "")[:60]])
     cfg, st = data["config"], data["steady_state"]
     head = f"{cfg['label']}: " if cfg.get("label") else ""
     m = data["machine"]

@@ -115,15 +115,6 @@ def batches(n: int, size: int) -> list[dict[str, torch.Tensor]]:
     return [hf.batch("gpt2", g, size=size) for _ in range(n)]
 
 
-def run_steps(s: System, data: list[dict[str, torch.Tensor]]) -> tuple[list[float], list[list]]:
-    losses, logs = [], []
-    for batch in data:
-        loss, log = s(batch)
-        losses.append(loss)
-        logs.append(log)
-    return losses, logs
-
-
 def state_of(s: System) -> dict[str, Any]:
     params = [p.detach().clone() for p in s.model.parameters()]
     state = [{k: s.opt.state[p][k].detach().clone() for k in STATE_KEYS if k in s.opt.state[p]}

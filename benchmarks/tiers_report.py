@@ -11,7 +11,9 @@ from benchmarks.common import fmt
 from benchmarks.tiers_systems import LABELS, SYSTEMS, compare_logs, max_rel_diff
 
 TC = ("tc", "tc_pure")  # the torch.compile run the ratios are against: the first that ran
-TARGETS = {"time_to_train": ("efx_tiered", 0.8), "steady_step": ("efx_tiered", 0.97)}
+# time to train: the default tiers; the steady step: tier 2's (at-once: from the first step; the default's
+# time rule builds it only once the steps paid for it, Note [When tier 2 pays], after a 300-step run)
+TARGETS = {"time_to_train": ("efx_tiered", 0.8), "steady_step": ("efx_at_once", 0.97)}
 WARM_TARGET = ("efx_tiered_warm", 1.0)  # a second process's first step (forward, backward, AdamW), seconds
 
 

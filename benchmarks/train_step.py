@@ -41,7 +41,6 @@ efx_model and the cosine pair only, no Inductor or torch.compile, well under a m
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -68,7 +67,6 @@ from benchmarks.train_step_systems import (  # noqa: E402
     batches,
     compare,
     reference_of,
-    run_steps,
     state_of,
     uses_inductor,
 )
@@ -90,7 +88,7 @@ def warm_up(inductor: bool, size: int) -> float:
     x = torch.randn(3, 5, requires_grad=True)
     efx.compile(lambda a: torch.sin(a) * 2)(x).sum().backward()
     throwaway = System("eager", seed=1)
-    run_steps(throwaway, batches(2, size))
+    common.run_steps(throwaway, batches(2, size))
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -107,21 +105,12 @@ def first_calls(system: str, calls: int, size: int, threads: int) -> dict[str, A
     cpu_clock = common_child.tree_cpu_s if uses_inductor(system) else time.process_time
     data = batches(calls, size)
     s = System(system)
-    timed, losses, logs = [], [], []
-    for batch in data:
-        gc.collect()
-        cpu, wall = cpu_clock(), time.perf_counter()
-        try:
-            loss, log = s(batch)
-        except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
-            return {"status": f"{type(e).__name__}: {str(e)[:300]}", "warmup_s": warmup_s, "calls": timed}
-        wall, cpu = time.perf_counter() - wall, cpu_clock() - cpu
-        timed.append({"wall_s": wall, "cpu_s": cpu, "captures": s.captures(), "effects": len(log)})
-        losses.append(loss)
-        logs.append(log)
+    timed, losses, logs, error = common_child.timed_first_calls(s, data, cpu_clock)
+    if error is not None:
+        return {"status": error, "warmup_s": warmup_s, "calls": timed}
     got = state_of(s)
     ref = System(reference_of(system))
-    want_losses, want_logs = run_steps(ref, data)
+    want_losses, want_logs = common.run_steps(ref, data)
     result: dict[str, Any] = {
         "status": "ok", "warmup_s": warmup_s,
         "cpu_clock": "process tree" if uses_inductor(system) else "process",
@@ -152,7 +141,7 @@ def steady_state(systems: list[str], check_steps: int, size: int, threads: int, 
         start = time.perf_counter()
         try:
             s = System(system)
-            losses, logs = run_steps(s, data)
+            losses, logs = common.run_steps(s, data)
         except Exception as e:  # noqa: BLE001 -- a system failing is a result, reported as such
             status[system] = f"{type(e).__name__}: {str(e)[:300]}"
             continue

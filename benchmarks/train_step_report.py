@@ -85,10 +85,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return {"systems": out, "targets": targets}
 
 
-def _e(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1e}"
-
-
 def table(data: dict[str, Any]) -> str:
     summary = data["summary"]["systems"]
     rows = []
@@ -102,8 +98,8 @@ def table(data: dict[str, Any]) -> str:
             fmt(s["over_eager"], "x"), fmt(s["over_efx_model"], "x"), fmt(s["over_tc"], "x"),
             ("same" if s["effects_equal_eager"] else "DIFFER")
             + f" ({'/'.join(map(str, s['effects_per_step']))})",
-            _e(s["max_loss_diff"]), _e(s["max_param_diff"]),
-            " / ".join(_e(state.get(k)) for k in STATE_KEYS), (s["failure"] or "")[:60]])
+            common.sci(s["max_loss_diff"]), common.sci(s["max_param_diff"]),
+            " / ".join(common.sci(state.get(k)) for k in STATE_KEYS), (s["failure"] or "")[:60]])
     cfg, st = data["config"], data["steady_state"]
     head = f"{cfg['label']}: " if cfg.get("label") else ""
     m = data["machine"]

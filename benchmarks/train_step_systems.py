@@ -171,12 +171,3 @@ def compare(got: dict[str, Any], want: dict[str, Any], logs: list[list], want_lo
         "max_param_rel_diff": max(rel, default=None),
         "max_state_diff": state, "state_keys_equal": state_complete,
         "params": len(diffs), "grads_none": got["grads_none"], "eager_grads_none": want["grads_none"]}
-
-
-def run_steps(s: System, data: list[dict[str, torch.Tensor]]) -> tuple[list[float], list[list]]:
-    losses, logs = [], []
-    for batch in data:
-        loss, log = s(batch)
-        losses.append(loss)
-        logs.append(log)
-    return losses, logs

@@ -48,7 +48,8 @@ from .interposers.callback import TensorSpec, callback, effect
 from .passes.dce import dead_code_elimination
 from .passes.remove_tokens import remove_effect_tokens
 from .passes.unlift import unlift_tokens
-from .program.program import Program, TrainingProgram
+from .program.program import Program
+from .program.training import TrainingProgram
 from .regions.decorator import region
 
 _register_dynamo_backend()  # torch.compile(backend="effectfx"), without importing Dynamo now
@@ -57,12 +58,12 @@ if TYPE_CHECKING:
     from .backends.progress import log_compiles
     from .explanation import Explanation, explain
     from .passes.verify import verify
-    from .program.program import load
+    from .program.training import load
 
 # Imported on first use (PEP 562), not by ``import effectfx``: a capture never needs them, and every module
 # spared here is time a user's first ``import effectfx`` does not pay.
 _LAZY = {
-    "explain": "explanation", "Explanation": "explanation", "load": "program.program",
+    "explain": "explanation", "Explanation": "explanation", "load": "program.training",
     "verify": "passes.verify", "log_compiles": "backends.progress",
 }
 

@@ -132,6 +132,33 @@ def test_a_float_the_optimizer_needs_as_a_float_stays_specialized() -> None:
     assert [p[-1] for _, p in entry.floats] == [("item", "lr")] and last is entry.program
 
 
+def test_a_capture_the_code_itself_fails_blames_no_float() -> None:
+    """A call whose capture fails for the code's own reasons (here it raises) while ``lr`` changed raises the
+    code's error, as eager does, and leaves ``lr`` an input: later schedules add no capture."""
+    model, opt, twin, topt, loss_of = _pair("mlp", OPTIMIZERS["sgd"])
+
+    def checked(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if getattr(m, "refuse", False):
+            raise ValueError("this batch is refused")
+        return loss_of(m, x, y)
+
+    step, eager = efx.compile(_step_fn(model, opt, checked)), _step_fn(twin, topt, checked)
+    x, y = _data("mlp")
+    for it in range(8):
+        for o, m in ((opt, model), (topt, twin)):
+            o.param_groups[0]["lr"] = _cosine(it)
+            m.refuse = it == 1  # (the capture that raises also sees lr changed)
+        if it == 1:
+            for f in (step, eager):
+                with pytest.raises(ValueError, match="this batch is refused"):
+                    f(x, y)
+            continue
+        torch.testing.assert_close(step(x, y), eager(x, y), rtol=1e-5, atol=1e-5)
+        _assert_same(model, opt, twin, topt, it)
+    assert step.stats.compiles == 2  # the first step; then lr an input (at the step after the refused one)
+    assert not step._specialized
+
+
 def test_an_lr_scheduler_stepped_outside_the_step() -> None:
     model, opt, twin, topt, loss_of = _pair("mlp", OPTIMIZERS["adamw"])
     scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS) for o in (opt, topt)]

@@ -17,6 +17,7 @@ import torch
 import effectfx as efx
 from effectfx import ops
 from effectfx.backends import inductor_cache as cache
+from effectfx.backends import tiers
 from effectfx.backends.inline import inline_regions
 from effectfx.backends.tiers import TierState, segments
 from effectfx.drivers.callable import BACKEND_PASSES
@@ -184,6 +185,19 @@ def test_at_once_switches_at_a_call_boundary_and_a_warm_process_starts_in_tier_2
     assert state.tier == 2 and state.switched_call == 1 and state.outcomes == {"loaded": 2}
 
 
+def test_a_warm_start_does_not_build_a_tier_2_no_process_saved(tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run too short to build tier 2 (Note [When tier 2 pays]) leaves no tier 2 for the next process: its
+    first call finds no marker and does not build tier 2 only to learn that nothing is saved."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(3, requires_grad=True)
+    want = _call(nested, x)
+    compiled = efx.compile(nested, backend="inductor")
+    _same("call 1", _call(compiled, x), want)
+    state = tiers_of(compiled)
+    assert state.tier == 1 and state._tier2 is None and state.started_call is None
+
+
 def two_outputs(x):
     y = outer(x)
     return y.sum(), y * 2
@@ -215,6 +229,30 @@ def test_background_switches_at_a_call_boundary(monkeypatch: pytest.MonkeyPatch)
     for call in range(4, 6):
         _same(f"call {call}", _call(compiled, x), want)
     assert state.tier == 2 and state.switched_call == 4
+
+
+def test_by_default_tier_2_is_built_once_the_calls_paid_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [When tier 2 pays]: past the 10th call, the build waits until the calls since the 11th took as
+    long as tier 1's compiles of the program (a clock the test sets)."""
+    monkeypatch.setattr(cache, "is_cached", lambda *args: False)  # a cold process: no start in tier 2
+    now = [0.0]
+    monkeypatch.setattr(tiers, "_clock", lambda: now[0])
+    x = torch.randn(3, requires_grad=True)
+    want = _call(nested, x)
+    compiled = efx.compile(nested, backend="inductor")  # the default tiers
+    for call in range(1, 12):
+        _same(f"call {call}", _call(compiled, x), want)
+    state = tiers_of(compiled)
+    assert state.started_call is None and state.budget_s is not None and state.budget_s > 0
+    assert "tier 2 once its calls since call 11 take" in str(efx.explain(compiled))
+    now[0] = state.budget_s * 0.99
+    _same("call 12", _call(compiled, x), want)
+    assert state.started_call is None
+    now[0] = state.budget_s
+    _same("call 13", _call(compiled, x), want)  # starts the build, runs tier 1
+    assert state.started_call == 13 and state.wait(300), state.error
+    _same("call 14", _call(compiled, x), want)
+    assert state.tier == 2 and state.switched_call == 14
 
 
 def test_the_cpp_wrapper_is_an_option() -> None:

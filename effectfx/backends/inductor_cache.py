@@ -150,11 +150,25 @@ def artifact_path(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> Path:
     ``<key>.json`` of their guards for a symbolic one): inside Inductor's cache directory (so
     ``TORCHINDUCTOR_CACHE_DIR`` governs both), named by everything the compiled code depends on."""
     from torch._inductor import config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     key = repr((ARTIFACT_FORMAT, torch.__version__, _key(source, inputs), inductor_config.get_hash(),
                 torch._functorch.config.get_hash()))
-    return Path(cache_dir()) / "effectfx" / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
+    return artifacts_dir() / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
+
+
+def mark_path(segments: list[tuple[fx.GraphModule, tuple[Meta, ...]]], what: str) -> Path:
+    """A marker saved beside the artifacts that says ``what`` was saved for the program made of these
+    segments (its tier 2: ``backends.tiers``), so that a later process can ask without building it."""
+    names = sorted(artifact_path(source, inputs).name for source, inputs in segments)
+    key = hashlib.sha256(repr((what, names)).encode()).hexdigest()
+    return artifacts_dir() / f"{key}.{what}"
+
+
+def artifacts_dir() -> Path:
+    """The folder of every saved artifact (inside Inductor's cache directory)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "effectfx"
 
 
 @contextlib.contextmanager

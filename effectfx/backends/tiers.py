@@ -7,26 +7,45 @@ Tier 2 is the same program with its regions inlined (``effectfx.backends.inline`
 half of a training program, forward and backward -- lowered by the same lowering, so each half is as few
 Inductor segments as its Python nodes allow, and Inductor fuses and plans buffers across layers.
 
-The switch.  A program's :class:`TierState` counts the calls it serves.  Once it has served
-``Tiers.after`` calls, tier 2 is built: in a background thread (``mode="background"``, the default), or in
-the calling thread (``mode="at-once"``: the slow call, for servers and benchmarks; ``after`` 0 by default,
-the first call).  The calling thread alone swaps the program, at the start of a call (:meth:`TierState.
-program`): a call runs one tier from start to end, and the backward of a forward run under tier 1 runs
-tier 1's backward (the autograd node holds the program it ran: ``program.program._RunTraining``).  Both
-tiers have one calling convention (same inputs, same outputs, same saved values), so the call that
-switches and every later one give tier 1's results within Inductor's tolerance, and the same effect log.
-A backward of some outputs only (Note [Partial backward]) runs tier 1's partial backward on tier 2's saved
-values (:class:`Tier2Training`).  A tier 2 that fails to build, or whose segments Inductor could not all
-compile, is not used: the program stays in tier 1, and ``efx.explain`` says why.
+The switch.  A program's :class:`TierState` counts the calls it serves.  Once it has served ``Tiers.after``
+calls (by default, once they paid for it: Note [When tier 2 pays]), tier 2 is built: in a background thread
+(``mode="background"``, the default), or in the calling thread (``mode="at-once"``: the slow call, for servers
+and benchmarks; ``after`` 0 by default, the first call).  The calling thread alone swaps the program, at the
+start of a call (:meth:`TierState.program`): a call runs one tier from start to end, and the backward of a
+forward run under tier 1 runs tier 1's backward (the autograd node holds the program it ran:
+``program.training._RunTraining``).  Both tiers have one calling convention (same inputs, same outputs, same
+saved values), so the call that switches and every later one give tier 1's results within Inductor's
+tolerance, and the same effect log.  A backward of some outputs only (Note [Partial backward]) runs tier 1's
+partial backward on tier 2's saved values (:class:`Tier2Training`).  A tier 2 that fails to build, or whose
+segments Inductor could not all compile, is not used: the program stays in tier 1, and ``efx.explain`` says
+why.
 
-Tier 2's segments run by Inductor's C++ wrapper (``cpp_wrapper``: the code that allocates buffers and
-calls the kernels is compiled C++, not Python), a longer compile that tier 2 pays once, off the first call.
-Steady training step against torch.compile (inductor) of the same model without the effect op (torch.compile
-of the effectful one fails in this torch), interleaved in one process, GPT-2 hidden 64, ids (4, 32), one
-intra-op thread: 12 layers -- tier 1 1.07x, tier 2 0.99x with Python's wrapper, 0.92x with C++'s (tier 2's
-cold compile 111 s with it); 4 layers -- 1.09x, 0.95x, 0.88x.  ``efx.Tiers(cpp_wrapper=False)`` keeps
-Python's wrapper, as a segment with symbolic sizes does (its C++ wrapper's guards name Inductor's own
-symbols: ``inductor._Lowering.segment``).
+Note [When tier 2 pays]
+~~~~~~~~~~~~~~~~~~~~~~~
+Tier 2 costs its build and saves a little on every later call; whether it pays depends on how long the run
+goes on, which no compiler knows.  The rule is the ski-rental one: keep renting (tier 1) until the rent paid
+equals the price of buying (the build), then buy.  Whatever the run's length, the time lost against the
+best choice in hindsight is then at most the build's price -- at most 2x the optimum -- while building at
+a fixed call count can lose the whole build on a short run.  By default (``mode="background"``, no
+``after``) a program builds its tier 2 once it served 10 calls (the first calls compile tier 1) and the
+wall time since its 11th call reaches its price, estimated as the Inductor compile seconds of tier 1's
+segments of this program (its region bodies' included): tier 2 compiles the same operations, inlined.
+Measured (GPT-2, 12 layers, AdamW, whole step, one thread, idle 2-core machine): tier 1's segments compiled
+in about 35 s, tier 2 in 43 s alone and 64 s in the background, where it also slowed the loop's steps
+(they share the GIL and the cores); a step takes 17 ms in tier 1 and 14 ms in tier 2.  A 300-step run
+(5 s of steps) never builds it and trains in tier 1's time; a run of thousands of steps switches once the
+steps took about 35 s.  ``after=n`` builds at the n-th call instead (the old rule), ``"at-once"`` at the
+first, for servers and benchmarks that know the run is long.
+
+Tier 2's segments run by Inductor's Python wrapper (the code that allocates buffers and calls the kernels).
+``efx.Tiers(cpp_wrapper=True)`` compiles that code as C++ instead: a little faster to run on small models
+(GPT-2 hidden 64, 12 layers, forward and backward against torch.compile: 0.92x with it, 0.99x without), but
+g++'s build grows with the program.  GPT-2's whole training step with AdamW (12 layers, one segment of about
+5,900 nodes) built in 191 s with it against 59 s without on an idle machine, and in 806 s on a loaded one
+(``benchmarks/tiers.py``), longer than the 300 steps it was to speed up.  With Python's wrapper that step's
+tier 2 ran 0.905x torch.compile's (15.8 against 17.4 ms, interleaved, one thread), so the C++ wrapper is
+opt-in.  A segment with symbolic sizes keeps Python's wrapper either way (its C++ wrapper's guards name
+Inductor's own symbols: ``inductor._Lowering.segment``).
 
 Effects in tier 2 stay Python nodes, in program order, between Inductor segments -- not fallback calls
 inside Inductor's graph ordered by tokens.  The lowering already moves pure work across effects that only
@@ -67,13 +86,15 @@ from typing import Any
 from ..errors import BackendError
 from ..graph.walk import nested_graphs
 from ..passes.pipeline import run_passes
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
+from ..program.training import TrainingProgram
 from . import progress
 from .inline import inline_regions
 
 MODES = ("tier1", "background", "at-once")
-DEFAULT_AFTER = 10  # calls a program serves before tier 2 is built in the background
+DEFAULT_AFTER = 10  # calls a program serves before tier 2 may be built in the background (and see BUDGET)
 BACKGROUND_NICE = int(os.environ.get("EFFECTFX_TIER2_NICE", "0"))  # the build thread's (module docstring)
+_clock = time.perf_counter  # the time rule's clock (Note [When tier 2 pays]; tests set it)
 _STOP = threading.Event()  # set at exit: a background compile stops at its next segment
 atexit.register(_STOP.set)
 
@@ -81,9 +102,12 @@ atexit.register(_STOP.set)
 @dataclass(frozen=True)
 class Tiers:
     """How ``efx.compile(..., backend="inductor", tiers=...)`` tiers its programs: ``mode`` "tier1" (only
-    tier 1), "background" (tier 2 compiled in a thread once a program served ``after`` calls, default 10)
-    or "at-once" (tier 2 compiled in the calling thread once it served ``after`` calls, default 0);
-    ``cpp_wrapper``: tier 2's segments run by Inductor's C++ wrapper (slower to compile, faster to run)."""
+    tier 1), "background" (tier 2 compiled in a thread once a program served ``after`` calls; by default,
+    once it served 10 calls and its calls since the 11th took as long as tier 1's compiles of it: Note
+    [When tier 2 pays]) or "at-once" (tier 2 compiled in the calling thread once it served ``after`` calls,
+    default 0);
+    ``cpp_wrapper``: tier 2's segments run by Inductor's C++ wrapper (minutes longer to compile a whole
+    training step, a little faster to run; off by default: module docstring)."""
 
     mode: str = "background"
     after: int | None = None
@@ -100,6 +124,11 @@ class Tiers:
         if self.after is not None:
             return self.after
         return DEFAULT_AFTER if self.mode == "background" else 0
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the build waits for the time rule too (Note [When tier 2 pays]): the default background."""
+        return self.mode == "background" and self.after is None
 
 
 def tiers_for(backend: str, tiers: str | Tiers | None) -> Tiers | None:
@@ -199,6 +228,8 @@ class TierState:
         self._thread: threading.Thread | None = None
         self._started_at: float | None = None
         self._lock = threading.Lock()  # threads calling one program: one starts the build, one switches
+        self._steady_since: float | None = None  # when the program served its threshold-th call
+        self.budget_s: float | None = None  # tier 1's compile seconds (Note [When tier 2 pays])
 
     def program(self, entry: Any) -> Any:
         """The program this call runs (on the calling thread, at the start of the call): tier 2 once it is
@@ -211,7 +242,7 @@ class TierState:
                 if self.calls == 1 and self.spec.mode == "background" and self._warm():
                     self._start()
                     self._build()  # every segment is saved: loading them is the first call's work
-                elif self.calls > self.spec.threshold:
+                elif self.calls > self.spec.threshold and self._paid():
                     self._start()
                     if self.spec.mode == "at-once":
                         self._build()
@@ -224,6 +255,17 @@ class TierState:
                 entry.program, self.tier, self.switched_call = self._ready, 2, self.calls
                 progress.LOGGER.info("%r runs tier 2 from call %d", self.tier1_name, self.calls)
             return entry.program
+
+    def _paid(self) -> bool:
+        """Whether tier 2 is due: at once, unless the time rule applies (Note [When tier 2 pays]): the
+        calls since the threshold-th have taken as long as tier 1's compiles of this program did."""
+        if not self.spec.budgeted:
+            return True
+        now = _clock()
+        if self._steady_since is None:
+            self._steady_since = now
+            self.budget_s = sum(s.compile_seconds for s in segments(self.tier1))
+        return now - self._steady_since >= self.budget_s
 
     @property
     def tier1_name(self) -> str:
@@ -242,11 +284,22 @@ class TierState:
         progress.LOGGER.info("%r: tier 2 started at call %d (%s)", self.tier1_name, self.calls,
                              self.spec.mode)
 
+    def _mark(self) -> Any:
+        """The marker an earlier process left when it saved this program's tier 2 (named by tier 1's
+        segments and the build's options): without it, a warm start need not build tier 2 to look."""
+        from .inductor_cache import mark_path
+
+        return mark_path([(s.source, s.inputs) for s in segments(self.tier1)],
+                         f"tier2{'-cpp' if self.spec.cpp_wrapper else ''}")
+
     def _warm(self) -> bool:
-        """Whether every tier-2 segment is saved (a warm process): builds tier 2 to find out."""
+        """Whether every tier-2 segment is saved (a warm process): builds tier 2 to find out, where an
+        earlier process marked it saved (a program that never built its tier 2 costs no build)."""
         from .inductor_cache import is_cached
 
         try:
+            if not self._mark().exists():
+                return False
             self._tier2 = self._tier2 or build_tier2(self.token_free, self.tier1, self.spec)
             return all(is_cached(s.source, s.inputs, s.hints) for s in segments(self._tier2))
         except Exception:  # noqa: BLE001 -- the build says why, when it runs
@@ -271,6 +324,7 @@ class TierState:
                 self.error = f"{len(fell)} segment(s) fell back ({fell[0].why}): tier 1 is faster"
             else:
                 self._ready = prog
+                self._save_mark()
         except Exception as e:  # noqa: BLE001 -- tier 2 is an optimization: any failure keeps tier 1
             self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         finally:
@@ -280,6 +334,14 @@ class TierState:
             progress.LOGGER.info("%r: tier 2 %s in %.2f s (%.2f s CPU)", self.tier1_name,
                                  "ready" if self._ready is not None else f"not used: {self.error}",
                                  self.wall_seconds, self.cpu_seconds)
+
+    def _save_mark(self) -> None:
+        try:
+            mark = self._mark()
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError:  # a read-only cache: the next process builds tier 2 to look, as before
+            pass
 
     def describe(self) -> str:
         """What ``efx.explain`` says of the program's tiers."""
@@ -295,5 +357,10 @@ class TierState:
             state = "ready, used from the next call" if self._ready is not None else f"for {waited:.1f} s"
             return (f"tier 1 (each region body compiled once); tier 2 building since call "
                     f"{self.started_call}, {state}")
+        if self.budget_s is not None:
+            served = _clock() - (self._steady_since or 0.0)
+            return (f"tier 1 (each region body compiled once); tier 2 once its calls since call "
+                    f"{self.spec.threshold + 1} take {self.budget_s:.1f} s, tier 1's compile time "
+                    f"({served:.1f} s so far, {self.calls} calls; background)")
         return (f"tier 1 (each region body compiled once); tier 2 after {self.spec.threshold} calls "
                 f"({self.calls} so far, {self.spec.mode})")

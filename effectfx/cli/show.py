@@ -70,7 +70,7 @@ def make_form(fn: Callable[..., Any], args: tuple, kwargs: dict, form: str | For
     """Capture ``fn(*args, **kwargs)`` and return the Program (or TrainingProgram) in ``form`` (a
     ``Form`` or its name)."""
     import effectfx as efx
-    from effectfx.program.program import TrainingProgram
+    from effectfx.program.training import TrainingProgram
 
     if form not in FORMS:
         raise ShowError(f"unknown form {form!r}; choose one of {', '.join(FORMS)}.")

@@ -43,7 +43,8 @@ from ..passes.remove_tokens import remove_effect_tokens_pass
 from ..passes.simplify import simplify_in_place
 from ..passes.thread_tokens import discover_effects, thread_tokens
 from ..program.containers import register_tensor_holders
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
+from ..program.training import TrainingProgram
 from ..regions.decorator import active_tracer
 from .capture import trace_program
 from .eager_errors import eager_instead

@@ -21,8 +21,9 @@ from ..hops.region import call_region
 from ..interposers.profiler import profiled
 from ..passes.pipeline import run_passes
 from ..passes.thread_tokens import thread_tokens
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
 from ..program.records import BodyInfo, InputSignature, PassRecord, RegionEntry
+from ..program.training import TrainingProgram
 
 
 def _regions_of(gm: fx.GraphModule, tracer: Any) -> dict[str, RegionEntry]:

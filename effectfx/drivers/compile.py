@@ -40,7 +40,8 @@ def compile(fn: Callable[..., Any], *, backend: str = "eager",  # noqa: A001
     static first and makes the sizes that change between calls symbolic; True makes every size symbolic
     from the first call; False captures each new size anew.  ``tiers`` (backend="inductor";
     ``effectfx.backends.tiers``): "background" (the default) compiles a whole-program tier 2 in a thread
-    once a program served 10 calls and switches to it at a call boundary; "at-once" compiles it in the
+    once a program's calls paid for it (Note [When tier 2 pays]) and switches to it at a call boundary;
+    "at-once" compiles it in the
     calling thread, at the first call; "tier1" never; ``efx.Tiers(mode, after=n)`` after ``n`` calls.  A
     compiled callable or module is not compiled again (Note [Nested compiles])."""
     compiled = fn.compiled if isinstance(fn, torch.nn.Module) and _is_compiled(fn) else fn

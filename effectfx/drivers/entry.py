@@ -12,8 +12,9 @@ import torch
 from ..graph.traced import TensorMeta
 from ..guards.check import GuardChecker
 from ..guards.values import Path, plain_value
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
 from ..program.records import alias_pattern
+from ..program.training import TrainingProgram
 
 
 def tensor_key(t: torch.Tensor) -> tuple:

@@ -38,8 +38,9 @@ from ..drivers.entry import CompiledEntry
 from ..effects import effect_of, implicit_effects
 from ..graph.walk import region_call, subgraphs
 from ..guards.words import body_differences, key_differences, part_differences
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
 from ..program.records import BodyInfo
+from ..program.training import TrainingProgram
 from .report import (
     BodyReport,
     Explanation,

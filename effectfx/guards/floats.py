@@ -135,32 +135,30 @@ def capture_with_floats(capture: Callable[[FloatInputs], T], good: frozenset[Pat
     """``capture(inputs)`` with the paths earlier captures took as inputs (``good``), the floats that changed
     since (``new``) and, under ``dynamic=True``, the optimizer ``hyperparameters`` torch.optim takes as
     tensors, changed or not.  A capture fails where code needs a float itself (``if momentum != 0``): then
-    each new path is tried alone, and one that fails is ``specialized`` from now on -- its value guarded,
-    as before -- so a float the code cannot take as a tensor costs captures once, not at every call."""
+    the capture runs without the new floats, and only if that succeeds were they to blame -- each is then
+    tried alone, and one that fails is ``specialized`` from now on, its value guarded as before, so a float
+    the code cannot take as a tensor costs captures once, not at every call.  If the capture fails without
+    them too, the error is the code's own: it is raised, and no float is blamed."""
     def attempt(paths: frozenset[Path], names: frozenset[str] = frozenset()) -> T:
         return capture(FloatInputs(paths, names, frozenset(specialized)))
 
-    if hyperparameters:
-        tried = FloatInputs(good | frozenset(new), hyperparameters, frozenset(specialized))
-        try:
-            return capture(tried)
-        except Exception:  # noqa: BLE001 -- which float was to blame is found below
-            new = list(dict.fromkeys([*new, *(p for p in tried.read if p not in good)]))
-    if not new:
-        return attempt(good)
+    tried = FloatInputs(good | frozenset(new), hyperparameters, frozenset(specialized))
+    if not new and not hyperparameters:
+        return capture(tried)
     try:
-        return attempt(good | frozenset(new))
-    except Exception:  # noqa: BLE001 -- which float was to blame is found below
-        if len(new) == 1:
-            specialized.add(new[0])
-            return attempt(good)
-    found, kept = None, good
-    for path in new:
+        return capture(tried)
+    except Exception:  # noqa: BLE001 -- whether a float was to blame is found below
+        suspects = list(dict.fromkeys([*new, *(p for p in tried.read if p not in good)]))
+    found, kept = attempt(good), good  # (raises the code's own error: then no float is blamed)
+    if len(suspects) == 1:
+        specialized.add(suspects[0])
+        return found
+    for path in suspects:
         try:
             found, kept = attempt(kept | {path}), kept | {path}
         except Exception:  # noqa: BLE001
             specialized.add(path)
-    return found if found is not None else attempt(good)
+    return found
 
 
 def current(value: Any) -> torch.Tensor:

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import debug_enabled
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
 from ..program.records import PassRecord
+from ..program.training import TrainingProgram
 
 P = TypeVar("P", Program, TrainingProgram)
 Pass = Callable[[Program], Program]

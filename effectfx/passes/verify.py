@@ -28,8 +28,9 @@ from .. import ops
 from ..effects import effect_of
 from ..errors import VerificationError
 from ..graph.walk import control_flow_graphs, get_attr, region_call
-from ..program.program import Program, TrainingProgram
+from ..program.program import Program
 from ..program.records import Form
+from ..program.training import TrainingProgram
 from . import control_flow
 from .rewrite import boundary_keys
 

@@ -1,6 +1,6 @@
 """The file format of token-free Programs: saving them, and reading back what they are made of, without
 pickled code.  This module knows the format, not the classes: ``Program.save`` writes through
-:func:`save`, and ``efx.load`` (``effectfx.program.program.load``) builds the Programs from
+:func:`save`, and ``efx.load`` (``effectfx.program.training.load``) builds the Programs from
 :func:`load_fields`.
 
 Format (version 1): a zip file with two members.
