@@ -255,6 +255,43 @@ def test_by_default_tier_2_is_built_once_the_calls_paid_for_it(monkeypatch: pyte
     assert state.tier == 2 and state.switched_call == 14
 
 
+@pytest.mark.parametrize("tier2_ms", [1.0, 3.0])
+def test_a_tier_2_slower_than_tier_1_goes_back_to_tier_1(tier2_ms: float,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [When tier 2 pays]: after the default switch, tier 2's calls are timed against tier 1's last ones
+    (a clock the test sets: 2 ms a call in tier 1); a slower tier 2 is dropped, at a call boundary, with
+    eager's results throughout."""
+    monkeypatch.setattr(cache, "is_cached", lambda *args: False)
+    now = [0.0]
+    monkeypatch.setattr(tiers, "_clock", lambda: now[0])
+    x = torch.randn(3, requires_grad=True)
+    want = _call(nested, x)
+    compiled = efx.compile(nested, backend="inductor")
+    calls = 0
+
+    def call(ms: float) -> None:
+        nonlocal calls
+        calls += 1
+        _same(f"call {calls}", _call(compiled, x), want)
+        now[0] += ms / 1e3
+
+    for _ in range(11):
+        call(2.0)
+    state = tiers_of(compiled)
+    state.budget_s = 0.02  # (tier 1's compile seconds: ten calls' worth here)
+    while state.started_call is None:
+        call(2.0)
+    assert state.wait(300), state.error
+    for _ in range(8):
+        call(tier2_ms)
+    if tier2_ms < 2.0:
+        assert state.tier == 2 and state.compared_ms == pytest.approx((2.0, 1.0))
+        assert "1.00 ms a call against tier 1's 2.00" in str(efx.explain(compiled))
+    else:
+        assert state.tier == 1 and "tier 2 was slower than tier 1 (3.00 against 2.00 ms" in str(state.error)
+        assert "tier 2 not used: tier 2 was slower" in str(efx.explain(compiled))
+
+
 def test_the_cpp_wrapper_is_an_option() -> None:
     x = torch.randn(3, requires_grad=True)
     want = _call(nested, x)

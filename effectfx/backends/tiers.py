@@ -37,6 +37,13 @@ in about 35 s, tier 2 in 43 s alone and 64 s in the background, where it also sl
 steps took about 35 s.  ``after=n`` builds at the n-th call instead (the old rule), ``"at-once"`` at the
 first, for servers and benchmarks that know the run is long.
 
+Tier 2 must also be faster, and it is not always: whole-program fusion made Llama's inference step slower
+(5.2 ms against tier 1's 4.3, ``benchmarks/inductor.py``).  So after the default switch, the time from one
+call's start to the next one's over 5 calls of tier 2 (its first run apart) is compared with the same over
+tier 1's last 5 calls before the build; a tier 2 more than 2 % slower goes back to tier 1 for good, and
+``efx.explain`` says so with both figures.  The switch back is a call boundary like the switch: the calling
+convention is one.
+
 Tier 2's segments run by Inductor's Python wrapper (the code that allocates buffers and calls the kernels).
 ``efx.Tiers(cpp_wrapper=True)`` compiles that code as C++ instead: a little faster to run on small models
 (GPT-2 hidden 64, 12 layers, forward and backward against torch.compile: 0.92x with it, 0.99x without), but
@@ -74,6 +81,7 @@ A process that finds every tier-2 segment saved starts in tier 2 on its first ca
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import os
 import sys
@@ -95,6 +103,8 @@ MODES = ("tier1", "background", "at-once")
 DEFAULT_AFTER = 10  # calls a program serves before tier 2 may be built in the background (and see BUDGET)
 BACKGROUND_NICE = int(os.environ.get("EFFECTFX_TIER2_NICE", "0"))  # the build thread's (module docstring)
 _clock = time.perf_counter  # the time rule's clock (Note [When tier 2 pays]; tests set it)
+COMPARED_CALLS = 5  # calls of each tier compared after the switch (Note [When tier 2 pays])
+SLOWER = 1.02  # tier 2 slower than tier 1 by more than this: back to tier 1
 _STOP = threading.Event()  # set at exit: a background compile stops at its next segment
 atexit.register(_STOP.set)
 
@@ -197,6 +207,11 @@ def segments(prog: Any) -> list[Any]:
     return out
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def _lower_priority() -> None:
     """Run this thread (and the compilers it starts) at :data:`BACKGROUND_NICE`: the training loop comes
     first.  Linux only, where a thread has a nice value of its own (elsewhere it is the whole process's)."""
@@ -229,15 +244,26 @@ class TierState:
         self._started_at: float | None = None
         self._lock = threading.Lock()  # threads calling one program: one starts the build, one switches
         self._steady_since: float | None = None  # when the program served its threshold-th call
+        self._last_start: float | None = None  # when the last call started (the time rule's clock)
+        # from one tier-1 call's start to the next's, the last ones before the build
+        self._tier1_times: collections.deque[float] = collections.deque(maxlen=COMPARED_CALLS)
+        self._tier2_times: list[float] | None = None  # the same of tier 2's first calls, while compared
+        self.compared_ms: tuple[float, float] | None = None  # tier 1's and tier 2's calls, compared
         self.budget_s: float | None = None  # tier 1's compile seconds (Note [When tier 2 pays])
 
     def program(self, entry: Any) -> Any:
         """The program this call runs (on the calling thread, at the start of the call): tier 2 once it is
         ready, from this call on; it starts tier 2's build when due."""
+        now = _clock()
+        interval, self._last_start = (None if self._last_start is None else now - self._last_start), now
         if self.tier == 2:
+            if interval is not None and self._tier2_times is not None:
+                self._compare(entry, interval)
             return entry.program
         with self._lock:
             self.calls += 1
+            if interval is not None and self.started_call is None and self.calls > self.spec.threshold + 1:
+                self._tier1_times.append(interval)  # (not while tier 2 builds: it slows the calls)
             if self._ready is None and self.started_call is None:
                 if self.calls == 1 and self.spec.mode == "background" and self._warm():
                     self._start()
@@ -254,7 +280,27 @@ class TierState:
             if self._ready is not None and (self._thread is None or self.started_call != self.calls):
                 entry.program, self.tier, self.switched_call = self._ready, 2, self.calls
                 progress.LOGGER.info("%r runs tier 2 from call %d", self.tier1_name, self.calls)
+                if self.spec.budgeted and len(self._tier1_times) >= COMPARED_CALLS:
+                    self._tier2_times = []  # Note [When tier 2 pays]: it must also be faster
             return entry.program
+
+    def _compare(self, entry: Any, interval: float) -> None:
+        """Tier 2's calls against tier 1's last ones before the build (the time from one call's start to the
+        next one's): a tier 2 slower than tier 1 goes back to tier 1 for good (Note [When tier 2 pays])."""
+        times = self._tier2_times
+        assert times is not None
+        times.append(interval)
+        if len(times) < COMPARED_CALLS + 1:  # (the first interval holds tier 2's first run)
+            return
+        self._tier2_times = None
+        tier1, tier2 = _median(self._tier1_times), _median(times[1:])
+        self.compared_ms = (tier1 * 1e3, tier2 * 1e3)
+        if tier2 > tier1 * SLOWER:
+            with self._lock:
+                entry.program, self.tier, self._ready = self.tier1, 1, None
+                self.error = (f"tier 2 was slower than tier 1 ({tier2 * 1e3:.2f} against {tier1 * 1e3:.2f} "
+                              f"ms a call): back to tier 1 from call {self.switched_call + len(times)}")
+            progress.LOGGER.info("%r: %s", self.tier1_name, self.error)
 
     def _paid(self) -> bool:
         """Whether tier 2 is due: at once, unless the time rule applies (Note [When tier 2 pays]): the
@@ -347,9 +393,11 @@ class TierState:
         """What ``efx.explain`` says of the program's tiers."""
         if self.tier == 2:
             made = ", ".join(f"{n} {how}" for how, n in sorted(self.outcomes.items()))
+            faster = "" if self.compared_ms is None else (
+                f"; {self.compared_ms[1]:.2f} ms a call against tier 1's {self.compared_ms[0]:.2f}")
             return (f"tier 2 (regions inlined) since call {self.switched_call}; built from call "
                     f"{self.started_call} ({self.spec.mode}) in {self.wall_seconds:.2f} s "
-                    f"({self.cpu_seconds:.2f} s CPU of its thread); segments: {made or 'none'}")
+                    f"({self.cpu_seconds:.2f} s CPU of its thread); segments: {made or 'none'}{faster}")
         if self.error is not None:
             return f"tier 1 (each region body compiled once); tier 2 not used: {self.error}"
         if self.started_call is not None:
