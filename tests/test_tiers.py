@@ -255,6 +255,27 @@ def test_by_default_tier_2_is_built_once_the_calls_paid_for_it(monkeypatch: pyte
     assert state.tier == 2 and state.switched_call == 14
 
 
+def test_a_warm_process_prices_tier_2_by_the_compiles_it_loaded(tmp_path: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [When tier 2 pays]: tier 1's segments loaded from the cache count the seconds their compile took
+    in the process that saved them, not the time loading them took."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(3, requires_grad=True)
+    budgets = []
+    for process in ("cold", "warm"):
+        cache.clear_cache()  # (a new process: nothing compiled in it)
+        compiled = efx.compile(nested, backend="inductor")
+        for _ in range(11):
+            _call(compiled, x)
+        state = tiers_of(compiled)
+        assert state.started_call is None, process
+        outcomes = {s.outcome for s in segments(state.tier1)}
+        assert (outcomes == {"loaded"}) == (process == "warm"), outcomes
+        budgets.append(state.budget_s)
+    cold, warm = budgets
+    assert cold > 0.5 and warm == pytest.approx(cold, abs=0.01)
+
+
 @pytest.mark.parametrize("tier2_ms", [1.0, 3.0])
 def test_a_tier_2_slower_than_tier_1_goes_back_to_tier_1(tier2_ms: float,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

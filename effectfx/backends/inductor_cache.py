@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,7 @@ class Compiled:
     why: str | None = None
     guards: tuple[Any, ...] = ()
     how: str = "compiled"
+    seconds: float = 0.0  # what compiling it took (a loaded one: its compile in the process that saved it)
 
 
 @dataclass
@@ -200,8 +202,9 @@ def _index(path: Path) -> list[tuple[tuple[Any, ...], Path]]:
         return []
 
 
-def _save(artifact: Any, path: Path, guards: tuple[Any, ...] | None) -> None:
-    """Write an artifact atomically (two processes may save the same segment at once); a symbolic
+def _save(artifact: Any, path: Path, guards: tuple[Any, ...] | None, seconds: float) -> None:
+    """Write an artifact atomically (two processes may save the same segment at once), and beside it the
+    ``seconds`` its compile took (what compiling it again would cost: ``backends.tiers``); a symbolic
     segment's (``guards`` not None) also goes into its index."""
     if not getattr(artifact, "is_saveable", lambda: True)():
         return
@@ -212,6 +215,7 @@ def _save(artifact: Any, path: Path, guards: tuple[Any, ...] | None) -> None:
         tmp = target.with_name(f".{target.stem}.{unique}.tmp")
         artifact.save(path=str(tmp), format="binary")
         os.replace(tmp, target)
+        target.with_suffix(".seconds").write_text(f"{seconds:.3f}")
         if guards is not None:
             entries = [[[str(g) for g in gs], p.name] for gs, p in _index(path)]
             entries.append([[str(g) for g in guards], target.name])
@@ -220,6 +224,14 @@ def _save(artifact: Any, path: Path, guards: tuple[Any, ...] | None) -> None:
             os.replace(index, path.with_suffix(".json"))
     except OSError:
         pass  # a read-only cache: the next process compiles again
+
+
+def _saved_seconds(path: Path) -> float:
+    """The seconds the saved artifact's compile took (0 when not recorded)."""
+    try:
+        return float(path.with_suffix(".seconds").read_text())
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _load(path: Path) -> Any:
@@ -243,8 +255,9 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int,
     path = artifact_path(source, inputs)
     for guards, saved in _saved(path, hints):
         if (loaded := _load(saved)) is not None:
-            return Compiled(loaded, guards=guards, how="loaded")
+            return Compiled(loaded, guards=guards, how="loaded", seconds=_saved_seconds(saved))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    start = time.perf_counter()
     try:
         examples, back = example_inputs(inputs, hints, fake_mode)
         with torch.no_grad(), _quiet_unsaveable():  # the inference path: segments run without grad
@@ -257,8 +270,9 @@ def _compile(source: fx.GraphModule, inputs: tuple[Meta, ...], hints: tuple[int,
     STATS.compiles += 1
     # what Inductor's choices assumed of the sizes, over z<k>
     guards = tuple(g.expr.xreplace(back) for g in fake_mode.shape_env.guards)
-    _save(artifact, path, guards if hints else None)
-    return Compiled(artifact, guards=guards)
+    seconds = time.perf_counter() - start
+    _save(artifact, path, guards if hints else None, seconds)
+    return Compiled(artifact, guards=guards, seconds=seconds)
 
 
 def _key(source: fx.GraphModule, inputs: tuple[Meta, ...]) -> tuple:

@@ -84,6 +84,12 @@ class InductorSegment(torch.nn.Module):
     def nodes(self) -> int:
         return len(self.source.graph.nodes)
 
+    @property
+    def cost_seconds(self) -> float:
+        """What compiling this segment takes: its compile's seconds, in this process or, for a loaded or
+        shared one, in the one that compiled it (0 when unknown or not compiled yet)."""
+        return self._found.seconds if self._found is not None else 0.0
+
     def fall_back(self, why: str) -> None:
         self._found, self.outcome = Compiled(None, why), "fell back"
         warnings.warn(f"Inductor could not compile a segment of {self.where} ({self.nodes} nodes); it runs "

@@ -29,7 +29,10 @@ best choice in hindsight is then at most the build's price -- at most 2x the opt
 a fixed call count can lose the whole build on a short run.  By default (``mode="background"``, no
 ``after``) a program builds its tier 2 once it served 10 calls (the first calls compile tier 1) and the
 wall time since its 11th call reaches its price, estimated as the Inductor compile seconds of tier 1's
-segments of this program (its region bodies' included): tier 2 compiles the same operations, inlined.
+segments of this program (its region bodies' included): tier 2 compiles the same operations, inlined.  A
+segment loaded from the cache counts the seconds its compile took in the process that saved it (kept beside
+the artifact): a warm process that estimated by its loads (0.1 s) built tier 2 at call 24 and trained 300
+steps in 1.16x the time of a cold one.
 Measured (GPT-2, 12 layers, AdamW, whole step, one thread, idle 2-core machine): tier 1's segments compiled
 in about 35 s, tier 2 in 43 s alone and 64 s in the background, where it also slowed the loop's steps
 (they share the GIL and the cores); a step takes 17 ms in tier 1 and 14 ms in tier 2.  A 300-step run
@@ -310,7 +313,7 @@ class TierState:
         now = _clock()
         if self._steady_since is None:
             self._steady_since = now
-            self.budget_s = sum(s.compile_seconds for s in segments(self.tier1))
+            self.budget_s = sum(s.cost_seconds for s in segments(self.tier1))
         return now - self._steady_since >= self.budget_s
 
     @property
