@@ -11,7 +11,7 @@ Systems (each builds its own model and AdamW from the same seed):
 * ``eager``: the step, eagerly (the reference);
 * ``efx_tier1``: ``efx.compile(step, backend="inductor", tiers="tier1")``: each region body compiled once;
 * ``efx_tiered``: the same with the default tiers ("background": tier 2 built in a thread once a program
-  served 10 calls and its calls since then took as long as tier 1's compiles of it, Note [When tier 2
+  served 10 calls and its calls since then took twice as long as tier 1's compiles of it, Note [When tier 2
   pays]; switched at a call boundary);
 * ``efx_at_once``: ``tiers="at-once"``: tier 2 compiled in the calling thread at each program's first call;
 * ``efx_tiered_warm``: ``efx_tiered`` again in a new process on the Inductor cache ``efx_tiered``'s run

@@ -232,8 +232,8 @@ def test_background_switches_at_a_call_boundary(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_by_default_tier_2_is_built_once_the_calls_paid_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [When tier 2 pays]: past the 10th call, the build waits until the calls since the 11th took as
-    long as tier 1's compiles of the program (a clock the test sets)."""
+    """Note [When tier 2 pays]: past the 10th call, the build waits until the calls since the 11th took its
+    price, twice tier 1's compiles of the program (a clock the test sets)."""
     monkeypatch.setattr(cache, "is_cached", lambda *args: False)  # a cold process: no start in tier 2
     now = [0.0]
     monkeypatch.setattr(tiers, "_clock", lambda: now[0])
@@ -273,7 +273,7 @@ def test_a_warm_process_prices_tier_2_by_the_compiles_it_loaded(tmp_path: Any,
         assert (outcomes == {"loaded"}) == (process == "warm"), outcomes
         budgets.append(state.budget_s)
     cold, warm = budgets
-    assert cold > 0.5 and warm == pytest.approx(cold, abs=0.01)
+    assert cold > 0.2 and warm == pytest.approx(cold, abs=0.02)  # (loading took ~0.05 s)
 
 
 @pytest.mark.parametrize("tier2_ms", [1.0, 3.0])
@@ -299,7 +299,7 @@ def test_a_tier_2_slower_than_tier_1_goes_back_to_tier_1(tier2_ms: float,
     for _ in range(11):
         call(2.0)
     state = tiers_of(compiled)
-    state.budget_s = 0.02  # (tier 1's compile seconds: ten calls' worth here)
+    state.budget_s = 0.02  # (the price: ten calls' worth here)
     while state.started_call is None:
         call(2.0)
     assert state.wait(300), state.error
