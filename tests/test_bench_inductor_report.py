@@ -74,8 +74,11 @@ def test_the_committed_run_reports_every_target(report) -> None:  # type: ignore
     assert len(steps) == 12  # 3 models x training/inference x torch.compile/eager
     assert all("paired" in t and t["paired"]["low"] <= t["paired"]["median"] <= t["paired"]["high"]
                for t in steps)
+    tier2 = [t for t in summary["targets"] if t["target"].startswith("(d)")]
+    assert len(tier2) == 6  # tier 2: 3 models x training/inference, against torch.compile
+    assert all("efx tier 2 / tc" in t["target"] and "paired" in t for t in tier2)
     text = report.targets_text(summary)
-    assert text.count("paired per round") == 12
+    assert text.count("paired per round") == 12 + 6
     assert "(c) gpt2/12 efx effects exact" in text
 
 
