@@ -43,12 +43,12 @@ Priced at 1x, a 3,000-step run built tier 2 from step 2,238, switched at 2,950 a
 steps cost the price.  ``after=n`` builds at the n-th call instead (the old rule), ``"at-once"`` at the
 first, for servers and benchmarks that know the run is long.
 
-Tier 2 must also be faster, and it is not always: whole-program fusion made Llama's inference step slower
-(5.2 ms against tier 1's 4.3, ``benchmarks/inductor.py``).  So after the default switch, the time from one
-call's start to the next one's over 5 calls of tier 2 (its first run apart) is compared with the same over
-tier 1's last 5 calls before the build; a tier 2 more than 2 % slower goes back to tier 1 for good, and
-``efx.explain`` says so with both figures.  The switch back is a call boundary like the switch: the calling
-convention is one.
+Tier 2 must also be faster, and it is not always: Llama's inference step ran slower in tier 2 than in tier 1
+(5.2 ms against 4.3, ``benchmarks/inductor.py``; the same operations, fused across layers).  So after the
+default switch, the time from one call's start to the next one's over 5 calls of tier 2 (its first run apart)
+is compared with the same over tier 1's last 5 calls before the build; a tier 2 more than 2 % slower goes back
+to tier 1 for good, and ``efx.explain`` says so with both figures.  The switch back is a call boundary like
+the switch: the calling convention is one.
 
 Tier 2's segments run by Inductor's Python wrapper (the code that allocates buffers and calls the kernels).
 ``efx.Tiers(cpp_wrapper=True)`` compiles that code as C++ instead: a little faster to run on small models
@@ -106,7 +106,7 @@ from . import progress
 from .inline import inline_regions
 
 MODES = ("tier1", "background", "at-once")
-DEFAULT_AFTER = 10  # calls a program serves before tier 2 may be built in the background (and see BUDGET)
+DEFAULT_AFTER = 10  # calls a program serves before tier 2 may be built in the background (then PRICE)
 BACKGROUND_NICE = int(os.environ.get("EFFECTFX_TIER2_NICE", "0"))  # the build thread's (module docstring)
 _clock = time.perf_counter  # the time rule's clock (Note [When tier 2 pays]; tests set it)
 COMPARED_CALLS = 5  # calls of each tier compared after the switch (Note [When tier 2 pays])
