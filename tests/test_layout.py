@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "effectfx"
 
 # bottom to top; a module belongs to the longest prefix listed (README's table, in the same order)
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("effectfx.errors", "effectfx.notes"),
+    ("effectfx.errors", "effectfx.notes", "effectfx.threads"),
     ("effectfx.ops",),
     ("effectfx.effects",),
     ("effectfx.graph",),

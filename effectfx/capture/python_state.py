@@ -43,7 +43,6 @@ So no fake escapes a capture, and every such write happens at every call, with t
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,14 +57,15 @@ from ..guards.labels import Label
 from ..guards.reads import Reads, observing
 from ..guards.values import MISSING, Path, Ref, freeze, plain_value
 from ..program.python_writes import Kept, Op, Out, PythonState, PythonWrite, Tree, apply_writes
+from ..threads import ThreadStack
 from .leaks import MODULE_INTERNALS, MODULE_TABLES, Found, name_of, reachable
 
-_LOCAL = threading.local()
+_JOURNALS = ThreadStack()
 
 
 def active_journals() -> list[Journal]:
     """The journals of the traces running on this thread, outermost first."""
-    return getattr(_LOCAL, "stack", None) or []
+    return _JOURNALS.items
 
 
 class Journal:
@@ -120,10 +120,7 @@ class Journal:
                              write.what, None))
 
     def __enter__(self) -> Journal:
-        stack = getattr(_LOCAL, "stack", None)
-        if stack is None:
-            stack = _LOCAL.stack = []
-        stack.append(self)
+        _JOURNALS.items.append(self)
         self._observing = observing(self.on_write)
         self._observing.__enter__()
         return self

@@ -14,12 +14,13 @@ guarded, and the Python state a trace writes is replayed after each call (Note [
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from ..threads import ThreadStack
 from .floats import active_floats, floats_or_tuple
 from .kinds import Equals, Guard, IsStr, ObjectState, OfType, SameObject, guard_on
 from .labels import Label
@@ -29,35 +30,22 @@ from .values import MISSING, Path, Ref, class_of, plain_value, watchable
 # parameters, buffers and submodules, read only to iterate them: their key order (``kinds.Keys``)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training", "_parameters", "_buffers", "_modules"}
 
-_LOCAL = threading.local()
+_READS = ThreadStack()  # the recorders of this thread
+_OBSERVERS = ThreadStack()  # the write observers of this thread
 
 
 def active_reads() -> list[Reads]:
     """The recorders of this thread, outermost first (the root's, then one per region body being traced)."""
-    return getattr(_LOCAL, "stack", None) or []
+    return _READS.items
 
 
-@contextmanager
-def recording(reads: Reads) -> Iterator[Reads]:
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    stack.append(reads)
-    try:
-        yield reads
-    finally:
-        stack.pop()
+def recording(reads: Reads) -> AbstractContextManager[Reads]:
+    return _READS.pushed(reads)
 
 
-@contextmanager
-def unrecorded() -> Iterator[None]:
+def unrecorded() -> AbstractContextManager[None]:
     """effectfx's own reads (a walk of a module's submodules or parameters during a capture): no guards."""
-    stack = getattr(_LOCAL, "stack", None)
-    _LOCAL.stack = []
-    try:
-        yield
-    finally:
-        _LOCAL.stack = stack
+    return _READS.emptied()
 
 
 def _fresh_each_read(owner: Any, step: Any, value: Any) -> bool:
@@ -83,7 +71,7 @@ def report_read(obj: Any, name: Any, value: Any, watch: bool = True) -> Any:
     as ``value``; returns what the reader gets (a Label, for a string a body reads).  With ``watch``, the
     object read is watched from now on; a reader that reports each of its reads itself (a guard's path)
     need not pay for that."""
-    stack = getattr(_LOCAL, "stack", None)
+    stack = _READS.items
     if not stack or name[:2] == "__" or (name in _MODULE_INTERNALS and isinstance(obj, torch.nn.Module)):
         return value
     if isinstance(value, torch.Tensor):
@@ -102,25 +90,15 @@ def report_write(obj: Any, name: str) -> None:
     """Attribute ``name`` of ``obj`` is about to be set or deleted by the code being traced (a watched
     object's ``__setattr__``/``__delattr__``): a later read of it is the trace's own value, not a fact to
     guard, and every write observer (``effectfx.capture.python_state``) sees the object before the write."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack:
-        for reads in stack:
-            reads.written.add((id(obj), name))
-    for observer in getattr(_LOCAL, "observers", ()):
+    for reads in _READS.items:
+        reads.written.add((id(obj), name))
+    for observer in _OBSERVERS.items:
         observer(obj, name)
 
 
-@contextmanager
-def observing(observer: Callable[[Any, str], None]) -> Iterator[None]:
+def observing(observer: Callable[[Any, str], None]) -> AbstractContextManager[Any]:
     """``observer(obj, name)`` is told of every attribute write :func:`report_write` sees on this thread."""
-    observers = getattr(_LOCAL, "observers", None)
-    if observers is None:
-        observers = _LOCAL.observers = []
-    observers.append(observer)
-    try:
-        yield
-    finally:
-        observers.remove(observer)
+    return _OBSERVERS.pushed(observer)
 
 
 def same_class(cls: type, namespace: dict[str, Any]) -> type:

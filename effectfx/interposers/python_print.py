@@ -26,14 +26,12 @@ a forward-AD dual tensor (eager adds its ``tangent=``), a marker of another capt
 from __future__ import annotations
 
 import builtins
-import contextlib
 import itertools
 import logging
 import operator
 import re
 import sys
-import threading
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import ops
 from ..graph.source import user_location
 from ..graph.symbols import is_symbolic
+from ..threads import ThreadStack
 from . import print_options
 from .interpose import interpose
 from .print_op import ORIGINAL_PRINT as _ORIGINAL_PRINT
@@ -207,12 +206,8 @@ class _Capture:
                 return "<tensor>"
             # torch's repr re-enters Tensor.__repr__ through __torch_function__: no capture on this thread
             # while it runs, or it would hand back another marker
-            _LOCAL.stack.append(None)
-            try:
-                with self.tracer.paused():
-                    return _ORIGINAL_REPR(found[0])
-            finally:
-                _LOCAL.stack.pop()
+            with _CAPTURES.pushed(None), self.tracer.paused():
+                return _ORIGINAL_REPR(found[0])
 
         return _MARKER.sub(original, text)
 
@@ -221,12 +216,11 @@ class _Capture:
 
 
 # -- interposed, on the capturing thread only ------------------------------------------------------------
-_LOCAL = threading.local()  # .stack: the prints of the captures running on this thread, innermost last
+_CAPTURES = ThreadStack()  # the prints of the captures running on this thread
 
 
 def _current() -> _Capture | None:
-    stack = getattr(_LOCAL, "stack", None)
-    return stack[-1] if stack else None  # None on top: suspended (see _Capture._unmarked)
+    return _CAPTURES.top  # None on top: suspended (see _Capture._unmarked)
 
 
 def _print(*args: Any, sep: Any = " ", end: Any = "\n", file: Any = None, flush: Any = False) -> None:
@@ -304,22 +298,9 @@ for _cls in (torch.SymInt, torch.SymFloat, torch.SymBool):
     _interpose_sym(_cls)
 
 
-def _stack() -> list[Any]:
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    return stack
-
-
-@contextlib.contextmanager
-def capture_prints(tracer: Any) -> Iterator[None]:
+def capture_prints(tracer: Any) -> AbstractContextManager[Any]:
     """While capturing with ``tracer``: ``print`` on this thread records ``effectfx::print`` calls."""
-    stack = _stack()
-    stack.append(_Capture(tracer))
-    try:
-        yield
-    finally:
-        stack.pop()
+    return _CAPTURES.pushed(_Capture(tracer))
 
 
 class _Silent:
@@ -335,14 +316,8 @@ class _Silent:
         return "<tensor>"
 
 
-@contextlib.contextmanager
-def silenced() -> Iterator[None]:
+def silenced() -> AbstractContextManager[Any]:
     """``print`` on this thread does nothing: for code that runs on fakes only to learn shapes (the kernel
     of a CompositeImplicitAutograd effect op, ``effectfx.interposers.composite``), whose prints happen when
     the op runs."""
-    stack = _stack()
-    stack.append(_Silent())
-    try:
-        yield
-    finally:
-        stack.pop()
+    return _CAPTURES.pushed(_Silent())

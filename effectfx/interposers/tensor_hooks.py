@@ -26,10 +26,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import CaptureError
+from ..threads import ThreadStack
 from .interpose import interpose
 
 HOOK_METHODS = ("register_hook", "register_post_accumulate_grad_hook")
-_LOCAL = threading.local()  # .recorders: the active recorders, innermost last; .inside: in a registration
+_RECORDERS = ThreadStack()  # the active recorders of this thread
+_LOCAL = threading.local()  # .inside: in a registration
 
 
 class HookRecorder:
@@ -64,20 +66,13 @@ class HookRecorder:
 @contextlib.contextmanager
 def recording_hooks() -> Iterator[HookRecorder]:
     """Note the tensor hooks the code registers on this thread while the block runs."""
-    recorder = HookRecorder()
-    stack = getattr(_LOCAL, "recorders", None)
-    if stack is None:
-        stack = _LOCAL.recorders = []
-    stack.append(recorder)
-    try:
+    with _RECORDERS.pushed(HookRecorder()) as recorder:
         yield recorder
-    finally:
-        stack.remove(recorder)
 
 
 def _replacement(name: str) -> Callable[..., Any]:
     def register(self: torch.Tensor, hook: Callable[..., Any]) -> Any:
-        stack = getattr(_LOCAL, "recorders", None)
+        stack = _RECORDERS.items
         original = _INTERPOSERS[name].original
         if not stack or getattr(_LOCAL, "inside", False):  # (torch-function modes call it again)
             return original(self, hook)
