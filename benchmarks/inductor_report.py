@@ -96,8 +96,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         procs, steps = processes(st), merged(st)
         for mode in MODES:
             ms = steps["step_ms"][mode]
-            for mine, other in [*(("efx", o) for o in ("eager", "tc", "tc_ncr", "efx_hop")),
-                                ("efx_t2", "tc"), ("efx_t2", "efx")]:
+            pairs = [*(("efx", o) for o in ("eager", "tc", "tc_ncr", "efx_hop")), ("efx_t2", "tc")]
+            for mine, other in pairs:
                 used = _step_used(ms, other)
                 if used not in ms or mine not in ms:
                     continue
